@@ -1,0 +1,450 @@
+"""Typed run configuration: dataclasses, YAML loading, dotted overrides, validation.
+
+Every field is checked (name, type, range, combination) before any model is loaded, and every
+error names the field and says what to do. ``flowgrpo train --help-config`` prints the help texts.
+
+A config file mirrors ``TrainConfig``::
+
+    name: toy_geneval
+    model:    {family: toy, path: assets/toy, lora: {rank: 8}}
+    prompts:  {train: "toy:train", eval: "toy:heldout"}
+    sampling: {num_steps: 10, kind: flow_sde, noise_level: 0.7, plan: {kind: branch}}
+    training: {group_size: 8, prompts_per_iteration: 8, lr: 3.0e-5}
+    rewards:  {components: [{name: geneval_toy, score: partial}]}
+    run:      {max_iterations: 100, eval_every: 10}
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Union
+
+import yaml
+
+from flowgrpo.plans import PlanConfig
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong; the message names the field and the fix."""
+
+
+def _help(text: str, **kw: Any) -> Any:
+    """A dataclass field with a help text (printed by ``flowgrpo train --help-config``)."""
+    if "default" not in kw and "default_factory" not in kw:
+        raise TypeError("every config field needs a default")
+    return field(metadata={"help": text}, **kw)
+
+
+@dataclass
+class LoraConfig:
+    enabled: bool = _help("Train LoRA adapters (True) or the full transformer (False).", default=True)
+    rank: int = _help("LoRA rank r. Flow-GRPO SD3: 32; FLUX.1: 64.", default=32)
+    alpha: int = _help("LoRA alpha (scale alpha/r). Flow-GRPO: 2*rank.", default=64)
+    init: str = _help("LoRA init: 'gaussian' (Flow-GRPO) or 'default' (PEFT's Kaiming A, zero B).",
+                      default="gaussian")
+    target_modules: list[str] | None = _help(
+        "PEFT target module names; None = the model family's default list.", default=None)
+
+
+@dataclass
+class ModelConfig:
+    family: str = _help("Model family: sd3 | flux | wan | toy.", default="toy")
+    path: str = _help("Hub id or local folder passed to from_pretrained.", default="assets/toy")
+    dtype: str = _help("Weights dtype of frozen components: float32 | bfloat16 | float16.",
+                       default="float32")
+    options: dict[str, Any] = _help(
+        "Family options (height, width, num_frames, text_encoder_3, ...); see pipelines/<family>.py.",
+        default_factory=dict)
+    lora: LoraConfig = _help("LoRA settings.", default_factory=LoraConfig)
+    gradient_checkpointing: bool = _help("Recompute activations in backward to save memory.",
+                                         default=False)
+
+
+@dataclass
+class PromptsConfig:
+    train: str = _help("Training prompts: 'toy:train', a .txt file (one prompt a line) or a .jsonl "
+                       "file of {prompt, metadata}.", default="toy:train")
+    eval: str | None = _help("Held-out prompts for evaluation (same formats); None disables eval.",
+                             default="toy:heldout")
+    num_eval: int = _help("Number of held-out prompts per evaluation (0 = all).", default=0)
+    eval_seeds: int = _help("Samples per held-out prompt at evaluation.", default=1)
+
+
+@dataclass
+class SamplingConfig:
+    num_steps: int = _help("Denoising steps of a training rollout. Flow-GRPO SD3: 10.", default=10)
+    eval_num_steps: int = _help("Steps of the deterministic evaluation sampler. Flow-GRPO: 40.",
+                                default=20)
+    kind: str = _help("Transition of stochastic steps: flow_sde | dance_sde | cps.", default="flow_sde")
+    noise_level: float = _help("SDE noise: a for flow_sde/cps (0.7 / 0.8), eta for dance_sde.",
+                               default=0.7)
+    guidance_scale: float = _help(
+        "CFG scale during rollouts and training; <= 1 runs CFG-free (distils CFG). For FLUX.1 the "
+        "guidance-embedding value.", default=1.0)
+    eval_guidance_scale: float | None = _help("CFG scale at evaluation; None = guidance_scale.",
+                                              default=None)
+    share_initial_noise: bool = _help("Members of a group start from the same noise.", default=True)
+    rollout_batch_size: int = _help(
+        "Samples per transformer call in rollouts; training replays the same batches so the first "
+        "ratio is exactly 1. A multiple of group_size lets zero-variance groups be skipped.", default=8)
+    plan: PlanConfig = _help("Which steps are stochastic and trained (full/window/branch/one_step).",
+                             default_factory=PlanConfig)
+
+
+@dataclass
+class EmaConfig:
+    enabled: bool = _help("Keep an EMA of the trainable weights (used for eval and saved).",
+                          default=False)
+    decay: float = _help("Maximum EMA decay; warm-up min((1+k)/(10+k), decay).", default=0.9)
+    every: int = _help("Update the EMA every N optimiser steps.", default=8)
+
+
+@dataclass
+class TrainingConfig:
+    prompts_per_iteration: int = _help("Groups (distinct prompts) per iteration, over all processes.",
+                                       default=8)
+    group_size: int = _help("Samples per prompt (group). Flow-GRPO: 24.", default=8)
+    lr: float = _help("AdamW learning rate. Flow-GRPO LoRA: 3e-4.", default=3e-4)
+    weight_decay: float = _help("AdamW weight decay.", default=1e-4)
+    adam_betas: tuple[float, float] = _help("AdamW betas.", default=(0.9, 0.999))
+    adam_eps: float = _help("AdamW epsilon.", default=1e-8)
+    use_8bit_adam: bool = _help("bitsandbytes AdamW8bit (needs the gpu extra).", default=False)
+    max_grad_norm: float = _help("Gradient-norm clip (0 disables).", default=1.0)
+    clip_low: float = _help("Ratio clip below 1 (1 - clip_low). Flow-GRPO: 1e-4; Fast: 1e-5.",
+                            default=1e-4)
+    clip_high: float | None = _help("Ratio clip above 1; None = clip_low (DAPO clip-higher: larger).",
+                                    default=None)
+    kl_beta: float = _help("Weight of the KL to the reference (LoRA disabled). 0.04 GenEval/OCR.",
+                           default=0.0)
+    adv_scale: str = _help("Advantage normalisation: group | batch | none (Dr.GRPO).", default="group")
+    adv_ddof: int = _help("Std degrees of freedom: 0 (Flow-GRPO) or 1 (TRL, DanceGRPO).", default=0)
+    adv_eps: float = _help("Added to the std.", default=1e-4)
+    adv_clip: float = _help("Clip advantages to [-adv_clip, adv_clip] (0 disables).", default=5.0)
+    num_inner_epochs: int = _help("Passes over each rollout batch.", default=1)
+    gradient_accumulation_steps: int = _help(
+        "Replay batches per optimiser step; 0 = all of an inner epoch (one step per epoch).", default=0)
+    ratio_norm: bool = _help("GRPO-Guard RatioNorm on the log-ratio.", default=False)
+    dt_reweight: bool = _help("GRPO-Guard 1/dt gradient reweighting (normalised by batch mean).",
+                              default=False)
+    rectification: bool = _help("Flash-GRPO temporal rectification weights kappa(t).", default=False)
+    skip_zero_std_groups: bool = _help(
+        "Skip replay of batches whose advantages are all zero (DAPO-style filtering).", default=True)
+    mixed_precision: str = _help("accelerate mixed precision: no | fp16 | bf16 (SDE maths stay fp32).",
+                                 default="no")
+    ema: EmaConfig = _help("EMA of trainable weights.", default_factory=EmaConfig)
+
+
+@dataclass
+class RewardSpec:
+    name: str = _help("Registered reward name or 'package.module:Class'.", default="")
+    weight: float = _help("Weight in the sum (or in GDPO's decoupled sum).", default=1.0)
+    options: dict[str, Any] = _help("Constructor options of the reward.", default_factory=dict)
+
+
+@dataclass
+class RewardsConfig:
+    components: list[RewardSpec] = _help("Rewards to combine.", default_factory=list)
+    aggregation: str = _help("weighted_sum (then group-normalise) | decoupled (GDPO).",
+                             default="weighted_sum")
+    threaded: bool = _help("Score each rollout batch in a thread while the next one rolls out.",
+                           default=True)
+
+
+@dataclass
+class LLMConfig:
+    """Causal-LM policy options (``policy: llm``); the model is ``model.path``."""
+
+    max_new_tokens: int = _help("Completion length limit.", default=32)
+    temperature: float = _help("Sampling temperature of rollouts.", default=1.0)
+    top_p: float = _help("Nucleus sampling threshold.", default=1.0)
+    aggregation: str = _help("Token-loss aggregation: grpo | bnpo | dr_grpo | dapo.", default="grpo")
+    level: str = _help("Importance ratio level: token (GRPO) | sequence (GSPO).", default="token")
+    dynamic_sampling: bool = _help("DAPO: drop zero-variance groups and resample until the batch is "
+                                   "full (bounded by max_resample_rounds).", default=False)
+    max_resample_rounds: int = _help("Upper bound on dynamic-sampling rounds.", default=3)
+    overlong_buffer: int = _help("DAPO soft overlong punishment window in tokens (0 = off).",
+                                 default=0)
+    overlong_penalty: float = _help("Penalty at max_new_tokens for the overlong shaping.",
+                                    default=1.0)
+    mask_truncated: bool = _help("DAPO: exclude completions that hit max_new_tokens from the loss.",
+                                 default=False)
+    eval_temperature: float = _help("Temperature at evaluation (0 = greedy).", default=0.0)
+
+
+@dataclass
+class RunConfig:
+    seed: int = _help("Seed of every random draw (prompts, noise, plans).", default=0)
+    output_dir: str = _help("Runs go to <output_dir>/<name>/.", default="runs")
+    max_iterations: int = _help("Iterations (rollout + update) to run.", default=100)
+    eval_every: int = _help("Evaluate every N iterations (0 = only at start and end).", default=10)
+    checkpoint_every: int = _help("Checkpoint every N iterations (0 = only at the end).", default=10)
+    keep_checkpoints: int = _help("Keep the newest N checkpoints (0 = all).", default=3)
+    tracker: str = _help("accelerate tracker: tensorboard | wandb | none.", default="tensorboard")
+    num_threads: int = _help("torch CPU threads (0 = torch default).", default=0)
+    progress: bool = _help("Show a progress bar.", default=True)
+    comparison_grid: bool = _help("Write a before/after grid of held-out prompts at the end.",
+                                  default=True)
+
+
+@dataclass
+class TrainConfig:
+    name: str = _help("Run name: outputs go to <run.output_dir>/<name>/.", default="run")
+    policy: str = _help("Policy type: flow (image/video generators) | llm (causal LMs).",
+                        default="flow")
+    model: ModelConfig = _help("The model to train.", default_factory=ModelConfig)
+    prompts: PromptsConfig = _help("Prompt sources.", default_factory=PromptsConfig)
+    sampling: SamplingConfig = _help("Rollout sampler.", default_factory=SamplingConfig)
+    training: TrainingConfig = _help("Optimisation.", default_factory=TrainingConfig)
+    rewards: RewardsConfig = _help("Rewards.", default_factory=RewardsConfig)
+    run: RunConfig = _help("Run bookkeeping.", default_factory=RunConfig)
+    llm: LLMConfig = _help("LLM policy options (policy: llm); see flowgrpo/llm.py.",
+                           default_factory=LLMConfig)
+
+
+# --------------------------------------------------------------------------- loading
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, path: str) -> Any:
+    """Convert a YAML value to the annotated type ``tp`` or raise ConfigError naming ``path``."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if origin in (Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, path)
+            except ConfigError as err:
+                errors.append(str(err))
+        raise ConfigError(errors[0] if len(errors) == 1 else
+                          f"{path}: expected {_type_name(tp)}, got {value!r}")
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a mapping of {tp.__name__} fields, got {value!r}")
+        return _build(tp, value, path)
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{path}: expected a list, got {value!r}")
+        return [_coerce(v, args[0], f"{path}[{i}]") for i, v in enumerate(value)]
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise ConfigError(f"{path}: expected a list of {len(args)} values, got {value!r}")
+        return tuple(_coerce(v, a, f"{path}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a mapping, got {value!r}")
+        return dict(value)
+    if tp is Any:
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(f"{path}: expected true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{path}: expected an integer, got {value!r}")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML reads "3e-4" (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{path}: expected a number, got {value!r}")
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(f"{path}: expected a string, got {value!r}")
+    raise ConfigError(f"{path}: unsupported type {tp}")
+
+
+def _build(cls: type, data: dict, path: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = [k for k in data if k not in names]
+    if unknown:
+        where = f"{path}." if path else ""
+        raise ConfigError(f"unknown config key {where}{unknown[0]!s}; valid keys under "
+                          f"'{path or 'top level'}': {', '.join(names)}")
+    kwargs = {k: _coerce(v, hints[k], f"{path}.{k}" if path else k) for k, v in data.items()}
+    return cls(**kwargs)
+
+
+def _set_dotted(data: dict, dotted: str, value: Any) -> None:
+    node = data
+    parts = dotted.split(".")
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {dotted}: {part} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
+    """``["training.lr=1e-4", "run.seed=3"]`` -> [(dotted key, YAML-parsed value)]."""
+    parsed = []
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like section.key=value")
+        key, raw = item.split("=", 1)
+        parsed.append((key.strip(), yaml.safe_load(raw) if raw.strip() else ""))
+    return parsed
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
+                data: dict | None = None) -> TrainConfig:
+    """Read a YAML file (or ``data``), apply dotted overrides, build and validate the config."""
+    raw: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        raw = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    if data is not None:
+        raw = _merge(raw, data)
+    for key, value in parse_overrides(overrides or []):
+        _set_dotted(raw, key, value)
+    config = _build(TrainConfig, raw, "")
+    validate(config)
+    return config
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def to_dict(config: Any) -> Any:
+    """Plain-Python (YAML-safe) form of a config."""
+    if dataclasses.is_dataclass(config):
+        return {f.name: to_dict(getattr(config, f.name)) for f in dataclasses.fields(config)}
+    if isinstance(config, (list, tuple)):
+        return [to_dict(v) for v in config]
+    if isinstance(config, dict):
+        return {k: to_dict(v) for k, v in config.items()}
+    return config
+
+
+def dump_config(config: TrainConfig, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+
+
+# --------------------------------------------------------------------------- validation
+
+def _choice(value: str, choices: tuple[str, ...], name: str) -> None:
+    if value not in choices:
+        raise ConfigError(f"{name} must be one of {', '.join(choices)} (got {value!r})")
+
+
+def _positive(value: float, name: str, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ConfigError(f"{name} must be {bound} (got {value})")
+
+
+def validate(config: TrainConfig, num_processes: int = 1) -> None:
+    """Check ranges and combinations. Raises ConfigError naming the field and the fix."""
+    _choice(config.policy, ("flow", "llm"), "policy")
+    if not config.name or "/" in config.name:
+        raise ConfigError(f"name must be a non-empty folder name without '/' (got {config.name!r})")
+    m = config.model
+    if config.policy == "flow":
+        _choice(m.family, ("sd3", "flux", "wan", "toy"), "model.family")
+    _choice(m.dtype, ("float32", "bfloat16", "float16"), "model.dtype")
+    if m.lora.enabled:
+        _positive(m.lora.rank, "model.lora.rank")
+        _positive(m.lora.alpha, "model.lora.alpha")
+        _choice(m.lora.init, ("gaussian", "default"), "model.lora.init")
+    s = config.sampling
+    _positive(s.num_steps, "sampling.num_steps")
+    _positive(s.eval_num_steps, "sampling.eval_num_steps")
+    _choice(s.kind, ("flow_sde", "dance_sde", "cps"), "sampling.kind")
+    _positive(s.noise_level, "sampling.noise_level", allow_zero=True)
+    if s.kind == "cps" and s.noise_level > 1:
+        raise ConfigError(f"sampling.noise_level is the CPS angle fraction a and must be in [0, 1] "
+                          f"(got {s.noise_level})")
+    _positive(s.rollout_batch_size, "sampling.rollout_batch_size")
+    if config.policy == "flow":
+        try:
+            s.plan.validate(s.num_steps)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+    t = config.training
+    _positive(t.prompts_per_iteration, "training.prompts_per_iteration")
+    _positive(t.group_size, "training.group_size")
+    _choice(t.adv_scale, ("group", "batch", "none"), "training.adv_scale")
+    if t.group_size == 1 and t.adv_scale in ("group", "batch"):
+        raise ConfigError("training.group_size is 1, so group statistics are undefined: use "
+                          "group_size >= 2 (GRPO needs several samples per prompt)")
+    _positive(t.lr, "training.lr")
+    _positive(t.clip_low, "training.clip_low")
+    if t.clip_high is not None:
+        _positive(t.clip_high, "training.clip_high")
+    _positive(t.kl_beta, "training.kl_beta", allow_zero=True)
+    if t.adv_ddof not in (0, 1):
+        raise ConfigError(f"training.adv_ddof must be 0 or 1 (got {t.adv_ddof})")
+    _positive(t.num_inner_epochs, "training.num_inner_epochs")
+    _positive(t.gradient_accumulation_steps, "training.gradient_accumulation_steps", allow_zero=True)
+    _choice(t.mixed_precision, ("no", "fp16", "bf16"), "training.mixed_precision")
+    if t.ema.enabled and not 0 < t.ema.decay < 1:
+        raise ConfigError(f"training.ema.decay must be in (0, 1) (got {t.ema.decay})")
+    total = t.prompts_per_iteration * t.group_size
+    if total % num_processes:
+        raise ConfigError(
+            f"training.prompts_per_iteration * training.group_size = {total} samples must divide "
+            f"evenly over {num_processes} processes: change prompts_per_iteration or group_size")
+    r = config.rewards
+    _choice(r.aggregation, ("weighted_sum", "decoupled"), "rewards.aggregation")
+    if config.policy == "flow" and not r.components:
+        raise ConfigError("rewards.components is empty: add at least one reward, e.g. "
+                          "[{name: geneval_toy}]")
+    for i, spec in enumerate(r.components):
+        if not spec.name:
+            raise ConfigError(f"rewards.components[{i}].name is empty: give a registered reward "
+                              f"name or 'package.module:Class'")
+    if config.policy == "llm":
+        _choice(config.llm.aggregation, ("grpo", "bnpo", "dr_grpo", "dapo"), "llm.aggregation")
+        _choice(config.llm.level, ("token", "sequence"), "llm.level")
+        _positive(config.llm.max_new_tokens, "llm.max_new_tokens")
+        _positive(config.llm.temperature, "llm.temperature")
+        if not 0 < config.llm.top_p <= 1:
+            raise ConfigError(f"llm.top_p must be in (0, 1] (got {config.llm.top_p})")
+    run = config.run
+    _positive(run.max_iterations, "run.max_iterations")
+    _positive(run.eval_every, "run.eval_every", allow_zero=True)
+    _positive(run.checkpoint_every, "run.checkpoint_every", allow_zero=True)
+    _choice(run.tracker, ("tensorboard", "wandb", "none"), "run.tracker")
+
+
+def help_text(cls: type = TrainConfig, prefix: str = "") -> str:
+    """One line per field: dotted name, type, default and help (``--help-config``)."""
+    lines = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        name = f"{prefix}{f.name}"
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            lines.append(f"{name}: {f.metadata.get('help', '')}")
+            lines.append(help_text(tp, name + "."))
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        lines.append(f"  {name} ({_type_name(tp)}, default {default!r}): {f.metadata.get('help', '')}")
+    return "\n".join(lines)

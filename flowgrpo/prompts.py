@@ -1,0 +1,51 @@
+"""Prompt sources: the toy world's splits, a text file (one prompt a line) or JSONL.
+
+Every source yields ``{"prompt": str, "metadata": dict}`` records; rewards that verify structure
+(the toy verifier, OCR targets) read the metadata.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from flowgrpo.rollout import seeded_generator
+
+
+def load_prompts(source: str) -> list[dict]:
+    """Records for ``source``: ``toy:<split>``, ``*.txt`` or ``*.jsonl``. Raises ValueError when the
+    source is missing or empty."""
+    if source.startswith("toy:"):
+        from reward_models.shapes import prompt_split
+
+        records = prompt_split(source.split(":", 1)[1])
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise ValueError(f"prompt file {source} does not exist (give a .txt file with one prompt "
+                             f"a line, a .jsonl file of {{\"prompt\": ..., \"metadata\": ...}}, or "
+                             f"toy:train / toy:heldout)")
+        lines = [line for line in path.read_text().splitlines() if line.strip()]
+        if path.suffix == ".jsonl":
+            records = []
+            for number, line in enumerate(lines, 1):
+                item = json.loads(line)
+                if "prompt" not in item:
+                    raise ValueError(f"{source}:{number}: each JSONL line needs a 'prompt' field")
+                records.append({"prompt": item["prompt"], "metadata": item.get("metadata", {})})
+        else:
+            records = [{"prompt": line.strip(), "metadata": {}} for line in lines]
+    if not records:
+        raise ValueError(f"prompt source {source} holds no prompts")
+    return records
+
+
+def sample_groups(records: list[dict], num_groups: int, seed: int, iteration: int) -> list[dict]:
+    """The ``num_groups`` prompts of one iteration: a deterministic function of (seed, iteration).
+    Draws without replacement within an iteration while there are enough prompts."""
+    generator = seeded_generator(seed, iteration, "prompts")
+    order = torch.randperm(len(records), generator=generator).tolist()
+    while len(order) < num_groups:
+        order += torch.randperm(len(records), generator=generator).tolist()
+    return [records[i] for i in order[:num_groups]]

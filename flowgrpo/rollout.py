@@ -1,0 +1,239 @@
+"""Group rollouts over shared initial noise -> RolloutBatch (DESIGN.md: flowgrpo/rollout.py).
+
+A rollout runs every sample of the local batch through its plan's schedule. Samples are processed in
+*replay batches*: rows that share a plan, ``rollout_batch_size`` at a time. Each transformer call on
+a trained step is kept as a ``ReplayBatch`` (its rows, x, x', sigmas, logp_old, mean_old, std), and
+the trainer replays exactly those batches, so the first inner pass sees the same code path, dtype
+and batch geometry as the rollout: the ratio is exactly 1. Nothing else of the trajectory is kept,
+so memory is O(trained steps).
+
+Randomness is a pure function of (seed, iteration, group or sample id, step): the same batch gives
+the same rollout on one process or many, and a resumed run repeats the uninterrupted one.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from flowgrpo.plans import StepPlan
+from flowgrpo.sde import dpmpp_2m_step, transition
+from pipelines.base import Conditioning, FlowModel
+
+
+def derive_seed(*parts: int | str) -> int:
+    """A 63-bit seed from a tuple of ints/strings (stable across processes and Python runs)."""
+    digest = hashlib.blake2b("/".join(str(p) for p in parts).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def seeded_generator(*parts: int | str) -> torch.Generator:
+    return torch.Generator("cpu").manual_seed(derive_seed(*parts))
+
+
+@dataclass
+class ReplayBatch:
+    """One trained transformer call of the rollout: b rows at one step of one plan.
+
+    Shapes: rows (b,) indices into the RolloutBatch; latents/next_latents/mean_old (b, ...) float32;
+    sigmas/sigmas_next/logp_old/std (b,) float32. ``step`` is the index into ``plan.sigmas``.
+    """
+
+    rows: Tensor
+    step: int
+    latents: Tensor
+    next_latents: Tensor
+    sigmas: Tensor
+    sigmas_next: Tensor
+    logp_old: Tensor
+    mean_old: Tensor
+    std: Tensor
+
+
+@dataclass
+class RolloutBatch:
+    """What one iteration's rollout keeps (DESIGN.md). B = local batch size."""
+
+    prompts: list[str]
+    metadata: list[dict]
+    group_ids: Tensor                  # (B,) int64, assigned per iteration
+    sample_ids: Tensor                 # (B,) int64, global index of each sample in the iteration
+    media: Tensor                      # (B, 3, H, W) or (B, F, 3, H, W) float32 in [0, 1], CPU
+    replay: list[ReplayBatch] = field(default_factory=list)
+    nfe: int = 0                       # transformer calls per sample, summed over the batch / B
+
+    @property
+    def trained_transitions(self) -> int:
+        return sum(int(r.rows.numel()) for r in self.replay)
+
+
+@dataclass
+class RolloutSettings:
+    kind: str                          # flow_sde | dance_sde | cps
+    noise_level: float
+    guidance_scale: float
+    batch_size: int                    # rows per transformer call
+    share_initial_noise: bool
+    seed: int
+    iteration: int
+
+
+def initial_noise(model: FlowModel, group_ids: Tensor, sample_ids: Tensor, settings: RolloutSettings
+                  ) -> Tensor:
+    """(B, ...) initial latents: one draw per group when shared, else one per sample."""
+    draws = []
+    for group_id, sample_id in zip(group_ids.tolist(), sample_ids.tolist()):
+        key = ("group", group_id) if settings.share_initial_noise else ("sample", sample_id)
+        draws.append(model.initial_noise(1, seeded_generator(settings.seed, settings.iteration,
+                                                              "noise", *key)))
+    return torch.cat(draws).to(torch.float32)
+
+
+def step_noise(shape: tuple[int, ...], sample_ids: Tensor, step: int, settings: RolloutSettings
+               ) -> Tensor:
+    """(b, ...) standard normal noise of one SDE step, one independent draw per sample."""
+    return torch.stack([
+        torch.randn(shape, generator=seeded_generator(settings.seed, settings.iteration, "sde",
+                                                      sample_id, step))
+        for sample_id in sample_ids.tolist()])
+
+
+def run_plan(model: FlowModel, plan: StepPlan, latents: Tensor, cond: Conditioning,
+             rows: Tensor, sample_ids: Tensor, settings: RolloutSettings,
+             first_step: int = 0, last_step: int | None = None) -> tuple[Tensor, list[ReplayBatch], int]:
+    """Integrate steps [first_step, last_step) of ``plan`` for one replay batch.
+
+    latents (b, ...) float32 at ``plan.sigmas[first_step]``; rows (b,) their RolloutBatch indices;
+    sample_ids (b,) their global ids (for noise). Returns (latents at the end, replay batches of the
+    trained steps, transformer calls made).
+    """
+    last_step = plan.num_steps if last_step is None else last_step
+    stochastic = set(plan.stochastic)
+    trained = set(plan.trained)
+    last_stochastic = max(plan.stochastic, default=-1)
+    device = model.device
+    replay: list[ReplayBatch] = []
+    prev_x0 = prev_sigma = None
+    calls = 0
+    b = latents.shape[0]
+    x = latents.to(device, torch.float32)
+    for i in range(first_step, last_step):
+        sigma = plan.sigmas[i].expand(b).to(device, torch.float32)
+        sigma_next = plan.sigmas[i + 1].expand(b).to(device, torch.float32)
+        velocity = model.velocity(x.to(model.dtype), sigma, cond,
+                                  settings.guidance_scale).to(torch.float32)
+        calls += 1
+        if i in stochastic:
+            noise = step_noise(tuple(x.shape[1:]), sample_ids, i, settings).to(device)
+            out = transition(settings.kind, velocity, x, sigma, sigma_next,
+                             noise_level=settings.noise_level, noise=noise)
+            if i in trained:
+                replay.append(ReplayBatch(rows=rows, step=i, latents=x, next_latents=out.prev_sample,
+                                          sigmas=sigma, sigmas_next=sigma_next,
+                                          logp_old=out.log_prob, mean_old=out.mean, std=out.std))
+            x = out.prev_sample
+        elif i > last_stochastic and plan.solver_after == "dpmpp_2m":
+            x, x0 = dpmpp_2m_step(x, velocity, sigma, sigma_next, prev_x0=prev_x0,
+                                  prev_sigma=prev_sigma, final=i == plan.num_steps - 1)
+            prev_x0, prev_sigma = x0, sigma
+        else:
+            x = transition("ode", velocity, x, sigma, sigma_next).prev_sample
+    return x, replay, calls
+
+
+def rollout(model: FlowModel, prompts: list[str], metadata: list[dict], group_ids: Tensor,
+            sample_ids: Tensor, plans: dict[int, StepPlan], settings: RolloutSettings,
+            on_media: Callable[[Tensor, Tensor], None] | None = None) -> RolloutBatch:
+    """Roll out the local batch.
+
+    prompts/metadata: B entries; group_ids/sample_ids: (B,) int64; plans: group id -> StepPlan.
+    Rows are bucketed by plan (groups with the same plan run together, in batch order) and cut into
+    replay batches of ``settings.batch_size`` rows. A deterministic prefix that the whole group
+    shares (branch / one-step plans with shared noise) is computed once per group and expanded.
+    ``on_media(rows, media)`` is called as each replay batch is decoded (the trainer scores it in a
+    thread while the next batch rolls out).
+    """
+    batch = len(prompts)
+    unique_prompts = list(dict.fromkeys(prompts))
+    cond_unique = model.encode_prompts(unique_prompts)
+    prompt_index = torch.tensor([unique_prompts.index(p) for p in prompts])
+    noise = initial_noise(model, group_ids, sample_ids, settings)
+
+    buckets: dict[tuple, list[int]] = {}
+    for row in range(batch):
+        buckets.setdefault(plans[int(group_ids[row])].key(), []).append(row)
+
+    media_rows: list[tuple[Tensor, Tensor]] = []
+    replay: list[ReplayBatch] = []
+    calls = 0
+    for bucket_rows in buckets.values():
+        plan = plans[int(group_ids[bucket_rows[0]])]
+        for start in range(0, len(bucket_rows), settings.batch_size):
+            rows = torch.tensor(bucket_rows[start:start + settings.batch_size])
+            cond = cond_unique.select(prompt_index[rows]).to(model.device)
+            x = noise[rows]
+            first = 0
+            if plan.shared_prefix > 0 and settings.share_initial_noise:
+                # One representative per group computes the shared deterministic prefix.
+                groups, expand = torch.unique(group_ids[rows], return_inverse=True)
+                reps = torch.stack([(expand == k).nonzero()[0, 0] for k in range(len(groups))])
+                prefix, _, prefix_calls = run_plan(
+                    model, plan, x[reps], cond.select(reps), rows[reps], sample_ids[rows][reps],
+                    settings, 0, plan.shared_prefix)
+                x = prefix[expand.to(prefix.device)]
+                first = plan.shared_prefix
+                calls += prefix_calls * len(reps)
+            x, chunk_replay, chunk_calls = run_plan(model, plan, x, cond, rows, sample_ids[rows],
+                                                    settings, first)
+            calls += chunk_calls * len(rows)
+            replay.extend(chunk_replay)
+            media = model.decode(x.to(model.device, model.dtype)).to(torch.float32).cpu()
+            media_rows.append((rows, media))
+            if on_media is not None:
+                on_media(rows, media)
+
+    first_media = media_rows[0][1]
+    all_media = torch.empty((batch, *first_media.shape[1:]), dtype=torch.float32)
+    for rows, media in media_rows:
+        all_media[rows] = media
+    return RolloutBatch(prompts=list(prompts), metadata=list(metadata), group_ids=group_ids,
+                        sample_ids=sample_ids, media=all_media, replay=replay,
+                        nfe=calls // max(batch, 1))
+
+
+def replay_logp(model: FlowModel, replay: ReplayBatch, cond: Conditioning, settings: RolloutSettings,
+                noise_level: float | None = None) -> tuple[Tensor, Tensor]:
+    """Re-score a replay batch under the current weights (with grad).
+
+    Returns (logp (b,), mean (b, ...)) for x -> x' with the same transition kind and noise level.
+    """
+    velocity = model.velocity(replay.latents.to(model.dtype), replay.sigmas, cond,
+                              settings.guidance_scale)
+    out = transition(settings.kind, velocity.to(torch.float32), replay.latents, replay.sigmas,
+                     replay.sigmas_next,
+                     noise_level=settings.noise_level if noise_level is None else noise_level,
+                     prev_sample=replay.next_latents)
+    return out.log_prob, out.mean
+
+
+@torch.no_grad()
+def sample_ode(model: FlowModel, prompts: list[str], noise: Tensor, num_steps: int,
+               guidance_scale: float, batch_size: int = 16) -> Tensor:
+    """Deterministic (Euler) samples for evaluation and grids: noise (B, ...) -> media (B, ...)."""
+    sigmas = model.sigmas(num_steps)
+    out = []
+    for start in range(0, len(prompts), batch_size):
+        cond = model.encode_prompts(prompts[start:start + batch_size]).to(model.device)
+        x = noise[start:start + batch_size].to(model.device, torch.float32)
+        b = x.shape[0]
+        for i in range(num_steps):
+            sigma = sigmas[i].expand(b).to(model.device, torch.float32)
+            sigma_next = sigmas[i + 1].expand(b).to(model.device, torch.float32)
+            velocity = model.velocity(x.to(model.dtype), sigma, cond,
+                                      guidance_scale).to(torch.float32)
+            x = transition("ode", velocity, x, sigma, sigma_next).prev_sample
+        out.append(model.decode(x.to(model.device, model.dtype)).to(torch.float32).cpu())
+    return torch.cat(out)

@@ -1,0 +1,532 @@
+"""The training loop: rollout -> reward -> gather -> advantages -> clipped-surrogate updates.
+
+One loop for every FlowModel and every StepPlan. It orchestrates; the maths lives in
+``sde.py`` (transitions), ``plans.py`` (which steps), ``advantages.py`` and ``losses.py``.
+Follow one iteration in ``Trainer.run_iteration``.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import math
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager, nullcontext
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from flowgrpo import checkpoint as ckpt
+from flowgrpo.advantages import decoupled_advantages, group_advantages
+from flowgrpo.config import TrainConfig, dump_config, to_dict, validate
+from flowgrpo.ema import EMA
+from flowgrpo.losses import (flow_kl, guard_log_ratio, guard_step_weights, policy_loss,
+                             rectification_weights)
+from flowgrpo.plans import make_plan
+from flowgrpo.prompts import load_prompts, sample_groups
+from flowgrpo.rollout import (RolloutBatch, RolloutSettings, replay_logp, rollout, sample_ode,
+                              seeded_generator)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _mean(values: list[float]) -> float:
+    return float(sum(values) / len(values)) if values else float("nan")
+
+
+class Trainer:
+    """Builds everything from a validated ``TrainConfig`` and runs GRPO on a FlowModel."""
+
+    def __init__(self, config: TrainConfig, accelerator=None, model=None) -> None:
+        from accelerate import Accelerator
+
+        self.config = config
+        tracker = config.run.tracker
+        if tracker == "tensorboard":
+            try:
+                import tensorboard  # noqa: F401
+            except ImportError:
+                tracker = "none"
+        self.run_dir = Path(config.run.output_dir) / config.name
+        self.accelerator = accelerator or Accelerator(
+            mixed_precision=config.training.mixed_precision,
+            log_with=None if tracker == "none" else tracker,
+            project_dir=str(self.run_dir))
+        self.tracker = tracker
+        # Batch divisibility depends on the process count, known only now.
+        validate(config, num_processes=self.accelerator.num_processes)
+        if config.run.num_threads:
+            torch.set_num_threads(config.run.num_threads)
+        torch.manual_seed(config.run.seed)
+
+        # Cheap things first: a bad prompt file or reward name fails before the model loads.
+        self.train_records = load_prompts(config.prompts.train)
+        self.eval_records = load_prompts(config.prompts.eval) if config.prompts.eval else []
+        if config.prompts.num_eval:
+            self.eval_records = self.eval_records[:config.prompts.num_eval]
+        self.reward = self.load_rewards()
+
+        self.model = model   # tests and benchmarks may hand in a built FlowModel
+        self.load_policy()
+        t = config.training
+        self.optimizer = self._make_optimizer()
+        self.ema = EMA(self.trainable, t.ema.decay, t.ema.every) if t.ema.enabled else None
+        self.start_iteration = 0
+        self.reference_module = None
+        if t.kl_beta > 0 and not config.model.lora.enabled:
+            # Full fine-tuning has no adapter to disable: keep a frozen copy as the reference.
+            self.reference_module = copy.deepcopy(self.module).requires_grad_(False)
+        self.history: list[dict] = []
+
+    def load_rewards(self):
+        """The MultiReward of the config's components (every component is logged)."""
+        from reward_models import MultiReward
+
+        return MultiReward.from_config(
+            [{"name": c.name, "weight": c.weight, **c.options}
+             for c in self.config.rewards.components],
+            aggregation=self.config.rewards.aggregation)
+
+    def load_policy(self) -> None:
+        """Load the model and make its trainable parameters (LoRA or full). Sets ``self.model``
+        (the FlowModel), ``self.module`` (the nn.Module that trains) and ``self.trainable``."""
+        from pipelines import load_model
+
+        m = self.config.model
+        if self.model is None:
+            self.model = load_model(m.family, m.path, dtype=DTYPES[m.dtype],
+                                    device=self.accelerator.device, options=dict(m.options))
+        self.module = self.model.transformer
+        self.setup_trainable(self.model.lora_target_modules)
+        self.base_sigmas = self.model.sigmas(self.config.sampling.num_steps)
+
+    # ------------------------------------------------------------------ setup helpers
+    def setup_trainable(self, default_targets: list[str]) -> None:
+        m = self.config.model
+        self.module.requires_grad_(False)
+        if m.gradient_checkpointing:
+            self.module.gradient_checkpointing_enable() if hasattr(
+                self.module, "gradient_checkpointing_enable") else \
+                self.module.enable_gradient_checkpointing()
+        if m.lora.enabled:
+            from peft import LoraConfig
+
+            targets = m.lora.target_modules or default_targets
+            self.module.add_adapter(LoraConfig(
+                r=m.lora.rank, lora_alpha=m.lora.alpha, target_modules=targets,
+                init_lora_weights="gaussian" if m.lora.init == "gaussian" else True))
+            for param in self.module.parameters():
+                if param.requires_grad:
+                    param.data = param.data.float()   # LoRA weights train in float32
+        else:
+            self.module.requires_grad_(True)
+        self.trainable = {n: p for n, p in self.module.named_parameters() if p.requires_grad}
+        if not self.trainable:
+            raise ValueError("model.lora.target_modules matched no module: nothing to train")
+
+    def _make_optimizer(self) -> torch.optim.Optimizer:
+        t = self.config.training
+        params = list(self.trainable.values())
+        if t.use_8bit_adam:
+            try:
+                import bitsandbytes as bnb
+            except ImportError as err:
+                raise ImportError("training.use_8bit_adam needs bitsandbytes: pip install "
+                                  "'flowgrpo[gpu]'") from err
+            return bnb.optim.AdamW8bit(params, lr=t.lr, betas=t.adam_betas,
+                                       weight_decay=t.weight_decay, eps=t.adam_eps)
+        return torch.optim.AdamW(params, lr=t.lr, betas=t.adam_betas, weight_decay=t.weight_decay,
+                                 eps=t.adam_eps)
+
+    @contextmanager
+    def reference_policy(self):
+        """The KL reference: the same transformer with LoRA disabled (no copy in memory)."""
+        if self.reference_module is not None:
+            live = self.model.transformer
+            self.model.transformer = self.reference_module
+            try:
+                yield
+            finally:
+                self.model.transformer = live
+        else:
+            self.module.disable_adapters()
+            try:
+                yield
+            finally:
+                self.module.enable_adapters()
+
+    def settings(self, iteration: int) -> RolloutSettings:
+        s = self.config.sampling
+        return RolloutSettings(kind=s.kind, noise_level=s.noise_level,
+                               guidance_scale=s.guidance_scale, batch_size=s.rollout_batch_size,
+                               share_initial_noise=s.share_initial_noise, seed=self.config.run.seed,
+                               iteration=iteration)
+
+    # ------------------------------------------------------------------ one iteration
+    def local_batch(self, iteration: int) -> tuple[list[dict], Tensor, Tensor]:
+        """This process's rows of the iteration: records, group_ids (B,), sample_ids (B,).
+        Sample j of the global batch belongs to group j // group_size; a group may span processes."""
+        t = self.config.training
+        groups = sample_groups(self.train_records, t.prompts_per_iteration, self.config.run.seed,
+                               iteration)
+        total = t.prompts_per_iteration * t.group_size
+        per_process = total // self.accelerator.num_processes
+        start = self.accelerator.process_index * per_process
+        sample_ids = torch.arange(start, start + per_process)
+        group_ids = sample_ids // t.group_size
+        return [groups[int(g)] for g in group_ids], group_ids, sample_ids
+
+    def rollout_and_score(self, iteration: int) -> tuple[RolloutBatch, dict[str, Tensor], dict]:
+        records, group_ids, sample_ids = self.local_batch(iteration)
+        prompts = [r["prompt"] for r in records]
+        metadata = [r["metadata"] for r in records]
+        plans = {int(g): make_plan(self.config.sampling.plan, self.base_sigmas, iteration, int(g),
+                                   self.config.run.seed) for g in group_ids.unique()}
+        futures: list[tuple[Tensor, Future]] = []
+        reward_seconds: list[float] = []
+        executor = ThreadPoolExecutor(max_workers=1) if self.config.rewards.threaded else None
+
+        def score(rows: Tensor, media: Tensor) -> dict[str, Tensor]:
+            began = time.perf_counter()
+            out = self.reward(media, [prompts[i] for i in rows], [metadata[i] for i in rows])
+            reward_seconds.append(time.perf_counter() - began)
+            return out
+
+        def on_media(rows: Tensor, media: Tensor) -> None:
+            if executor is not None:
+                futures.append((rows, executor.submit(score, rows, media)))
+            else:
+                done: Future = Future()
+                done.set_result(score(rows, media))
+                futures.append((rows, done))
+
+        began = time.perf_counter()
+        with torch.no_grad(), self.accelerator.autocast():
+            batch = rollout(self.model, prompts, metadata, group_ids, sample_ids, plans,
+                            self.settings(iteration), on_media=on_media)
+        rollout_seconds = time.perf_counter() - began
+        began = time.perf_counter()
+        rewards: dict[str, Tensor] = {}
+        for rows, future in futures:
+            for name, values in future.result().items():
+                rewards.setdefault(name, torch.full((len(prompts),), float("nan")))[rows] = \
+                    values.float().cpu()
+        if executor is not None:
+            executor.shutdown()
+        timing = {"time/rollout": rollout_seconds, "time/reward_wait": time.perf_counter() - began,
+                  "time/reward_compute": sum(reward_seconds)}
+        return batch, rewards, timing
+
+    def compute_advantages(self, batch: RolloutBatch, rewards: dict[str, Tensor]
+                           ) -> tuple[Tensor, dict[str, float]]:
+        """Gather rewards over processes, compute advantages on the whole batch, keep ours."""
+        t = self.config.training
+        acc = self.accelerator
+        device = acc.device
+        gathered = {k: acc.gather(v.to(device)).cpu() for k, v in rewards.items()}
+        group_ids = acc.gather(batch.group_ids.to(device)).cpu()
+        clip = t.adv_clip or None
+        if self.config.rewards.aggregation == "decoupled":
+            components = {k: v for k, v in gathered.items() if k in self.reward.weights}
+            advantages, stats = decoupled_advantages(components, self.reward.weights, group_ids,
+                                                     ddof=t.adv_ddof, eps=t.adv_eps, clip=clip)
+        else:
+            advantages, stats = group_advantages(gathered["total"], group_ids, scale=t.adv_scale,
+                                                 ddof=t.adv_ddof, eps=t.adv_eps, clip=clip)
+        local = len(batch.prompts)
+        start = acc.process_index * local
+        metrics = {f"adv/{k}": float(v) for k, v in stats.items()}
+        for name, values in gathered.items():
+            valid = values[~values.isnan()]
+            metrics[f"reward/{name}/mean"] = float(valid.mean()) if len(valid) else float("nan")
+            metrics[f"reward/{name}/std"] = float(valid.std(unbiased=False)) if len(valid) else 0.0
+        metrics["reward/nan_count"] = int(gathered["total"].isnan().sum())
+        return advantages[start:start + local], metrics
+
+    def update(self, batch: RolloutBatch, advantages: Tensor, iteration: int) -> dict[str, float]:
+        """num_inner_epochs passes over the rollout's replay batches, clipped-surrogate loss."""
+        t = self.config.training
+        acc = self.accelerator
+        settings = self.settings(iteration)
+        clip_high = t.clip_low if t.clip_high is None else t.clip_high
+        replays = [r for r in batch.replay
+                   if not (t.skip_zero_std_groups and bool((advantages[r.rows] == 0).all()))]
+        # Every process must run the same number of optimiser steps (gradient all-reduce).
+        count = torch.tensor([len(replays)], device=acc.device)
+        max_count = int(acc.gather(count).max()) if acc.num_processes > 1 else len(replays)
+        per_step = t.gradient_accumulation_steps or max(max_count, 1)
+        num_steps = max(math.ceil(max_count / per_step), 1)
+        step_weights = self.step_weights(replays)
+        stats: dict[str, list[float]] = {}
+        first_pass_dev: list[float] = []
+        for epoch in range(t.num_inner_epochs):
+            order = torch.randperm(len(replays), generator=seeded_generator(
+                self.config.run.seed, iteration, "epoch", epoch)).tolist()
+            for step in range(num_steps):
+                window = order[step * per_step:(step + 1) * per_step]
+                for index in window:
+                    with acc.autocast():
+                        loss, step_stats = self.replay_loss(batch, replays[index], advantages,
+                                                            settings, clip_high, step_weights[index])
+                    (loss / per_step).backward()
+                    for key, value in step_stats.items():
+                        stats.setdefault(key, []).append(float(value))
+                    if epoch == 0:
+                        first_pass_dev.append(float(step_stats["ratio_max_dev"]))
+                stats.setdefault("grad_norm", []).append(self.optimizer_step())
+        metrics = {f"train/{k}": _mean(v) for k, v in stats.items()}
+        metrics["train/first_pass_ratio_max_dev"] = max(first_pass_dev, default=0.0)
+        metrics["train/replay_batches"] = len(replays)
+        metrics["train/skipped_replay_batches"] = len(batch.replay) - len(replays)
+        metrics["lr"] = self.optimizer.param_groups[0]["lr"]
+        return metrics
+
+    def step_weights(self, replays: list) -> list[Tensor]:
+        """Per-row loss weights of each replay batch: GRPO-Guard's 1/dt and/or Flash-GRPO's kappa,
+        normalised by their mean over the iteration's trained transitions (a replay batch holds a
+        single step, so normalising within it would make every weight 1)."""
+        t = self.config.training
+        raw = []
+        for replay in replays:
+            weights = torch.ones_like(replay.logp_old)
+            if t.dt_reweight:
+                weights = weights * guard_step_weights(replay.sigmas, replay.sigmas_next,
+                                                       normalize=False)
+            if t.rectification:
+                weights = weights * rectification_weights(replay.sigmas, replay.sigmas_next,
+                                                          replay.std, normalize=False)
+            raw.append(weights)
+        if raw and (t.dt_reweight or t.rectification):
+            mean = torch.cat(raw).mean()
+            raw = [w / mean for w in raw]
+        return raw
+
+    def replay_loss(self, batch: RolloutBatch, replay, advantages: Tensor,
+                    settings: RolloutSettings, clip_high: float, weights: Tensor
+                    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """The loss of one replay batch: surrogate (+ Guard / rectification weights) + KL.
+        Returns the loss and detached stats, including ``ratio_max_dev`` (|ratio - 1| max)."""
+        t = self.config.training
+        # Prompt embeddings are cached by the adapter, so this costs a dict lookup per prompt.
+        cond = self.model.encode_prompts([batch.prompts[i] for i in replay.rows.tolist()])
+        logp, mean = replay_logp(self.model, replay, cond, settings)
+        adv = advantages[replay.rows].to(logp.device)
+        log_ratio = guard_log_ratio(logp, replay.logp_old, mean, replay.mean_old, replay.std) \
+            if t.ratio_norm else None
+        loss, stats = policy_loss(logp, replay.logp_old, adv, t.clip_low, clip_high,
+                                  weights=weights, log_ratio=log_ratio)
+        raw_ratio = torch.exp(logp.detach() - replay.logp_old)
+        stats["ratio_max_dev"] = (raw_ratio - 1).abs().max()
+        stats["policy_loss"] = loss.detach()
+        if t.kl_beta > 0:
+            with torch.no_grad(), self.reference_policy():
+                _, mean_ref = replay_logp(self.model, replay, cond, settings)
+            kl = flow_kl(mean, mean_ref, replay.std).mean()
+            loss = loss + t.kl_beta * kl
+            stats["kl"] = kl.detach()
+        return loss, stats
+
+    def optimizer_step(self) -> float:
+        acc = self.accelerator
+        params = list(self.trainable.values())
+        if acc.num_processes > 1:
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                p.grad = acc.reduce(p.grad, reduction="mean")
+        max_norm = self.config.training.max_grad_norm
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.ema is not None:
+            self.ema.step()
+        return float(norm)
+
+    def run_iteration(self, iteration: int) -> dict[str, float]:
+        """rollout (+ threaded rewards) -> advantages -> update. Returns the iteration's metrics."""
+        batch, rewards, timing = self.rollout_and_score(iteration)
+        advantages, metrics = self.compute_advantages(batch, rewards)
+        began = time.perf_counter()
+        metrics.update(self.update(batch, advantages, iteration))
+        metrics.update(timing)
+        metrics["time/update"] = time.perf_counter() - began
+        metrics["nfe"] = batch.nfe
+        metrics["trained_transitions"] = batch.trained_transitions
+        return metrics
+
+    # ------------------------------------------------------------------ evaluation
+    def eval_noise(self, count: int) -> Tensor:
+        return torch.cat([self.model.initial_noise(1, seeded_generator(self.config.run.seed, "eval", i))
+                          for i in range(count)])
+
+    @torch.no_grad()
+    def evaluate(self, iteration: int, save_images: bool = True) -> dict[str, float]:
+        """Deterministic-sampler rewards on the held-out prompts, per component and per family."""
+        if not self.eval_records:
+            return {}
+        s = self.config.sampling
+        seeds = self.config.prompts.eval_seeds
+        records = [r for r in self.eval_records for _ in range(seeds)]
+        prompts = [r["prompt"] for r in records]
+        metadata = [r["metadata"] for r in records]
+        guidance = s.guidance_scale if s.eval_guidance_scale is None else s.eval_guidance_scale
+        swap = self.ema.swapped_in() if self.ema is not None else nullcontext()
+        with swap, self.accelerator.autocast():
+            media = sample_ode(self.model, prompts, self.eval_noise(len(prompts)), s.eval_num_steps,
+                               guidance, batch_size=max(s.rollout_batch_size, 16))
+        scores = self.reward(media, prompts, metadata)
+        metrics: dict[str, float] = {}
+        for name, values in scores.items():
+            valid = values[~values.isnan()]
+            metrics[f"eval/{name}"] = float(valid.mean()) if len(valid) else float("nan")
+            families = sorted({str(m.get("family")) for m in metadata if m.get("family")})
+            for family in families:
+                mask = torch.tensor([m.get("family") == family for m in metadata]) & ~values.isnan()
+                if mask.any():
+                    metrics[f"eval/{name}/{family}"] = float(values[mask].mean())
+        if save_images:
+            from torchvision.utils import save_image
+
+            images = media[:64] if media.dim() == 4 else media[:16, 0]
+            out = self.run_dir / "samples"
+            out.mkdir(parents=True, exist_ok=True)
+            save_image(images, out / f"eval_{iteration:05d}.png", nrow=8)
+        return metrics
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, iteration: int) -> Path:
+        directory = self.run_dir / "checkpoints" / str(iteration)
+        swap = self.ema.swapped_in() if self.ema is not None else nullcontext()
+
+        def save_lora(folder: str) -> None:
+            with swap:   # the published weights are the EMA weights when EMA is on
+                self.save_policy_weights(folder)
+
+        if self.accelerator.is_main_process:
+            ckpt.save_checkpoint(
+                directory, iteration=iteration, trainable=self.trainable, optimizer=self.optimizer,
+                ema_state=self.ema.state_dict() if self.ema else None,
+                ema_counters=self.ema.counters() if self.ema else None, save_lora=save_lora,
+                extra={"name": self.config.name})
+            ckpt.prune_checkpoints(self.run_dir, self.config.run.keep_checkpoints)
+        self.accelerator.wait_for_everyone()
+        return directory
+
+    def save_policy_weights(self, folder: str) -> None:
+        """LoRA in the diffusers format (``pipe.load_lora_weights(folder)``), or the full
+        transformer under ``folder/transformer`` (``from_pretrained``-loadable)."""
+        from peft import get_peft_model_state_dict
+
+        if self.config.model.lora.enabled:
+            self.model.save_lora_weights(folder, get_peft_model_state_dict(self.module))
+        else:
+            self.module.save_pretrained(Path(folder) / "transformer")
+
+    def resume(self, resume: str) -> None:
+        path = ckpt.resolve_resume(resume, self.run_dir)
+        if path is None:
+            return
+        state = ckpt.load_checkpoint(path)
+        missing = set(self.trainable) - set(state["trainable"])
+        if missing:
+            raise ValueError(f"checkpoint {path} does not match this model/LoRA config: "
+                             f"{len(missing)} trainable tensors missing (e.g. {sorted(missing)[0]})")
+        with torch.no_grad():
+            for name, param in self.trainable.items():
+                param.copy_(state["trainable"][name])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.ema is not None and state["ema"] is not None:
+            self.ema.load(state["ema"], state["state"]["ema"])
+        torch.set_rng_state(state["rng"])
+        self.start_iteration = int(state["state"]["iteration"])
+
+    # ------------------------------------------------------------------ the run
+    def log(self, record: dict) -> None:
+        self.history.append(record)
+        if self.accelerator.is_main_process:
+            with open(self.run_dir / "metrics.jsonl", "a") as f:
+                f.write(json.dumps(record) + "\n")
+            if self.tracker != "none":
+                scalars = {k: v for k, v in record.items()
+                           if isinstance(v, (int, float)) and k != "iteration"}
+                self.accelerator.log(scalars, step=record["iteration"])
+
+    def train(self, resume: str | None = None) -> list[dict]:
+        from tqdm.auto import tqdm
+
+        cfg = self.config
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if resume:
+            self.resume(resume)
+        if self.accelerator.is_main_process:
+            dump_config(cfg, self.run_dir / "config.yaml")
+            self._truncate_metrics(self.start_iteration)
+        if self.tracker != "none":
+            flat = {k: str(v) for k, v in _flatten(to_dict(cfg)).items()}
+            self.accelerator.init_trackers(cfg.name, config=flat)
+        if self.start_iteration == 0 and self.accelerator.is_main_process:
+            self.log({"iteration": 0, "phase": "eval", **self.evaluate(0)})
+        bar = tqdm(range(self.start_iteration, cfg.run.max_iterations), initial=self.start_iteration,
+                   total=cfg.run.max_iterations, disable=not (cfg.run.progress and
+                                                            self.accelerator.is_main_process),
+                   desc=cfg.name, dynamic_ncols=True)
+        began = time.perf_counter()
+        for iteration in bar:
+            tick = time.perf_counter()
+            metrics = self.run_iteration(iteration)
+            metrics["time/iteration"] = time.perf_counter() - tick
+            done = iteration + 1
+            self.log({"iteration": done, "phase": "train", **metrics})
+            bar.set_postfix(reward=f"{metrics.get('reward/total/mean', float('nan')):.3f}",
+                            sec=f"{metrics['time/iteration']:.1f}")
+            if metrics["reward/nan_count"]:
+                bar.write(f"iteration {done}: {metrics['reward/nan_count']} samples had no reward "
+                          f"(NaN); they were masked out of the advantages")
+            last = done == cfg.run.max_iterations
+            if (cfg.run.eval_every and done % cfg.run.eval_every == 0) or last:
+                if self.accelerator.is_main_process:
+                    self.log({"iteration": done, "phase": "eval", **self.evaluate(done)})
+                self.accelerator.wait_for_everyone()
+            if (cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0) or last:
+                self.save(done)
+        bar.close()
+        if self.tracker != "none":
+            self.accelerator.end_training()
+        if self.accelerator.is_main_process:
+            self.print_summary(time.perf_counter() - began)
+        return self.history
+
+    def _truncate_metrics(self, start: int) -> None:
+        path = self.run_dir / "metrics.jsonl"
+        if not path.exists():
+            return
+        # A resumed run rewrites what came after its checkpoint, so the log has no duplicates.
+        keep = [line for line in path.read_text().splitlines()
+                if line.strip() and json.loads(line)["iteration"] <= start]
+        path.write_text("".join(line + "\n" for line in keep) if start else "")
+
+    def print_summary(self, seconds: float) -> None:
+        evals = [h for h in self.history if h["phase"] == "eval"]
+        trains = [h for h in self.history if h["phase"] == "train"]
+        parts = [f"{self.config.name}: {len(trains)} iterations in {seconds:.0f} s"]
+        if trains:
+            parts.append(f"train reward {trains[0].get('reward/total/mean', float('nan')):.3f} -> "
+                         f"{trains[-1].get('reward/total/mean', float('nan')):.3f}")
+        if len(evals) >= 1:
+            keys = [k for k in evals[-1] if k.startswith("eval/") and k.count("/") == 1]
+            for key in keys:
+                first = evals[0].get(key, float("nan"))
+                parts.append(f"{key} {first:.3f} -> {evals[-1][key]:.3f}")
+        parts.append(f"outputs in {self.run_dir}")
+        print(" | ".join(parts), flush=True)
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
