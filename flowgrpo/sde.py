@@ -1,0 +1,446 @@
+"""Flow-matching transitions and sigma schedules: pure tensor maths, no model, no state.
+
+Convention (DESIGN.md): ``x_sigma = (1 - sigma) x0 + sigma noise``, velocity ``v ~ noise - x0``,
+sigma runs from 1 (noise) to 0 (data), ``sigma_next < sigma`` and ``dt = sigma_next - sigma < 0``.
+Derived quantities used below: ``x0_hat = x - sigma v`` (predicted data) and
+``eps_hat = x + (1 - sigma) v`` (predicted noise).
+
+One step of a trajectory is a Gaussian ``x' ~ N(mean, std^2 I)`` whose mean and per-sample std
+depend on the transition ``kind``:
+
+========== ========================================================== ==========================
+kind       mean                                                       std (total, per sample)
+========== ========================================================== ==========================
+ode        x + v dt  (Euler; what diffusers' FlowMatchEuler does)      0
+flow_sde   x + [v + s^2/(2 sigma) eps_hat] dt,                        s sqrt(-dt)
+           s = a sqrt(sigma / (1 - sigma~)), sigma~ = sigma except
+           sigma~ = sigma_next where sigma == 1 (Flow-GRPO)
+dance_sde  x + [v + a^2/(2 sigma) eps_hat] dt  (DanceGRPO, a = eta)   a sqrt(-dt)
+cps        (1 - sigma_next) x0_hat + sqrt(sigma_next^2 - std^2) eps_hat  sigma_next sin(a pi / 2)
+========== ========================================================== ==========================
+
+``a`` is ``noise_level``; with ``a = 0`` every stochastic kind reduces to Euler (bit for bit for
+``flow_sde`` and ``dance_sde``, up to rounding for ``cps``). Everything is computed in float32
+whatever the input dtype: bf16 overflows and loses the tiny log-ratio differences GRPO relies on.
+
+Behaviour with an exact velocity (checked on Gaussian data in tests/test_sde.py):
+``dance_sde`` and ``flow_sde`` converge to the data distribution as steps are refined. The
+Flow-GRPO rule at sigma = 1 makes step 0 an O(1) step whatever N (std = a exactly), adding a
+fixed a^4/4 of variance there, which later steps mostly absorb. ``cps`` with a mean denoiser
+(x0_hat = E[x0 | x]) loses variance at every step by an amount that does not shrink with the
+step size, so its samples are under-dispersed (mean exact); a = 0 is Euler.
+
+The deterministic stretches of a trajectory may use DPM-Solver++(2M) (``dpmpp_2m_step``), and
+``ode_solve`` integrates a whole schedule. The sigma schedules reproduce diffusers'
+``FlowMatchEulerDiscreteScheduler`` (SD3-style static shift, FLUX-style dynamic shift).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "KINDS",
+    "ODE_SOLVERS",
+    "Transition",
+    "transition",
+    "gaussian_log_prob",
+    "dpmpp_2m_step",
+    "ode_solve",
+    "shift_sigma",
+    "calculate_shift",
+    "exponential_time_shift",
+    "static_shift_sigmas",
+    "dynamic_shift_sigmas",
+]
+
+KINDS = ("ode", "flow_sde", "dance_sde", "cps")
+ODE_SOLVERS = ("euler", "dpmpp_2m")
+REDUCTIONS = ("mean", "sum")
+_LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
+
+
+@dataclass
+class Transition:
+    """One step x -> x'.
+
+    prev_sample: x' (B, ...) float32, sampled, or the replayed sample that was scored.
+    mean:        mean of x' given x (B, ...) float32; carries the gradient of the velocity.
+    std:         total std of x' given x (B,) float32, including sqrt(-dt) where it applies;
+                 0 for "ode" and for rows with noise_level 0.
+    log_prob:    (B,) float32 exact Gaussian log-density of prev_sample under N(mean, std^2),
+                 per element with constants, reduced over non-batch dims ("mean" or "sum");
+                 0 for rows whose std is 0 (the density is degenerate there; 0 keeps the
+                 ratio exp(logp - logp_old) at exactly 1 for those rows).
+    """
+
+    prev_sample: Tensor
+    mean: Tensor
+    std: Tensor
+    log_prob: Tensor
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _rows(values: Tensor, ndim: int) -> Tensor:
+    """(B,) -> (B, 1, ..., 1) with ``ndim`` dims, to broadcast a per-sample value over a sample."""
+    return values.reshape(-1, *([1] * (ndim - 1)))
+
+
+def _as_float32(value: Tensor, name: str) -> Tensor:
+    if not isinstance(value, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor (got {type(value).__name__})")
+    if not value.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor (got dtype {value.dtype})")
+    return value.to(torch.float32)
+
+
+def _check_velocity_shape(velocity: Tensor, sample: Tensor) -> None:
+    try:
+        broadcast = torch.broadcast_shapes(velocity.shape, sample.shape)
+    except RuntimeError:
+        broadcast = None
+    if broadcast != sample.shape:
+        raise ValueError(f"velocity shape {tuple(velocity.shape)} does not broadcast to sample "
+                         f"shape {tuple(sample.shape)}")
+
+
+def _per_sample(value: float | Tensor, name: str, batch: int, device: torch.device) -> Tensor:
+    """A python float, a 0-d / (1,) tensor or a (B,) tensor -> (B,) float32 on ``device``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, Tensor)):
+        raise TypeError(f"{name} must be a float or a tensor of shape ({batch},) "
+                        f"(got {type(value).__name__})")
+    values = torch.as_tensor(value).to(device=device, dtype=torch.float32)
+    if values.ndim == 0 or tuple(values.shape) == (1,):
+        values = values.reshape(1).expand(batch)
+    elif tuple(values.shape) != (batch,):
+        raise ValueError(f"{name} must be a scalar or have shape ({batch},) to match the batch of "
+                         f"sample (got shape {tuple(values.shape)})")
+    if not bool(torch.isfinite(values).all()):
+        raise ValueError(f"{name} must be finite (got {values.tolist()})")
+    return values
+
+
+def _check_sigma_pair(sigma: Tensor, sigma_next: Tensor) -> None:
+    """sigma in (0, 1], 0 <= sigma_next < sigma for every row."""
+    if bool((sigma > 1).any()):
+        raise ValueError(f"sigma must be <= 1 (got max {sigma.max().item():.6g})")
+    if bool((sigma_next < 0).any()):
+        raise ValueError(f"sigma_next must be >= 0 (got min {sigma_next.min().item():.6g})")
+    bad = sigma_next >= sigma
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0, 0])
+        raise ValueError(
+            "sigma_next must be < sigma for every sample (dt = sigma_next - sigma < 0: sampling "
+            f"runs from noise to data); got sigma_next={sigma_next[row].item():.6g} >= "
+            f"sigma={sigma[row].item():.6g} at row {row}")
+
+
+def _standard_normal(like: Tensor, noise: Tensor | None,
+                     generator: torch.Generator | None) -> Tensor:
+    if noise is not None:
+        noise = _as_float32(noise, "noise")
+        if noise.shape != like.shape:
+            raise ValueError(f"noise must have the shape of sample {tuple(like.shape)} "
+                             f"(got {tuple(noise.shape)})")
+        return noise.to(like.device)
+    device = generator.device if generator is not None else like.device
+    draw = torch.randn(like.shape, generator=generator, device=device, dtype=torch.float32)
+    return draw.to(like.device)
+
+
+# ----------------------------------------------------------------------------- transitions
+
+
+def gaussian_log_prob(value: Tensor, mean: Tensor, std: Tensor, reduce: str = "mean") -> Tensor:
+    """Exact log N(value; mean, std^2), per element with constants, reduced over non-batch dims.
+
+    value, mean: (B, ...) float32; std: (B,) float32 >= 0. Returns (B,) float32. ``value`` is
+    treated as data (detached). Rows with std == 0 return 0 (degenerate density; see Transition),
+    with a zero, NaN-free gradient.
+    """
+    if reduce not in REDUCTIONS:
+        raise ValueError(f"reduce must be one of {REDUCTIONS} (got {reduce!r})")
+    stochastic = std > 0
+    safe_std = _rows(torch.where(stochastic, std, torch.ones_like(std)), value.ndim)
+    per_element = (-((value.detach() - mean) ** 2) / (2.0 * safe_std ** 2)
+                   - torch.log(safe_std) - _LOG_SQRT_2PI)
+    flat = per_element.reshape(value.shape[0], -1)
+    reduced = flat.mean(dim=1) if reduce == "mean" else flat.sum(dim=1)
+    return torch.where(stochastic, reduced, torch.zeros_like(reduced))
+
+
+def _mean_and_std(kind: str, velocity: Tensor, sample: Tensor, sigma: Tensor,
+                  sigma_next: Tensor, noise_level: Tensor) -> tuple[Tensor, Tensor]:
+    """Mean (B, ...) and total std (B,) of x' for ``kind``; all inputs float32, sigmas (B,)."""
+    ndim = sample.ndim
+    dt = sigma_next - sigma
+    dt_r, sigma_r = _rows(dt, ndim), _rows(sigma, ndim)
+    if kind == "ode":
+        return sample + velocity * dt_r, torch.zeros_like(sigma)
+    if kind == "cps":
+        std = sigma_next * torch.sin(noise_level * (math.pi / 2.0))
+        x0_hat = sample - sigma_r * velocity
+        eps_hat = sample + (1.0 - sigma_r) * velocity
+        eps_coef = torch.sqrt(torch.clamp(sigma_next ** 2 - std ** 2, min=0.0))
+        mean = _rows(1.0 - sigma_next, ndim) * x0_hat + _rows(eps_coef, ndim) * eps_hat
+        return mean, std
+    eps_hat = sample + (1.0 - sigma_r) * velocity
+    if kind == "flow_sde":
+        sigma_tilde = torch.where(sigma == 1.0, sigma_next, sigma)
+        diffusion_sq = noise_level ** 2 * sigma / (1.0 - sigma_tilde)          # s^2
+        # s sqrt(-dt) written so that at sigma = 1 the ratio (-dt)/(1 - sigma_next) is exactly 1
+        # and std == noise_level exactly.
+        std = noise_level * torch.sqrt(sigma * (-dt) / (1.0 - sigma_tilde))
+    else:  # dance_sde
+        diffusion_sq = noise_level ** 2
+        std = noise_level * torch.sqrt(-dt)
+    drift_coef = _rows(diffusion_sq / (2.0 * sigma), ndim)
+    mean = sample + (velocity + drift_coef * eps_hat) * dt_r
+    return mean, std
+
+
+def transition(kind: str, velocity: Tensor, sample: Tensor, sigma: float | Tensor,
+               sigma_next: float | Tensor, *, noise_level: float | Tensor = 0.7,
+               prev_sample: Tensor | None = None, generator: torch.Generator | None = None,
+               noise: Tensor | None = None, reduce: str = "mean") -> Transition:
+    """One step from ``sample`` at ``sigma`` to ``sigma_next``: sample it, or score a given one.
+
+    Args:
+        kind: "ode", "flow_sde", "dance_sde" or "cps" (table in the module docstring).
+        velocity: (B, ...) model velocity (after CFG), broadcastable to sample's shape.
+        sample: x (B, ...), any float dtype (computed in float32).
+        sigma, sigma_next: (B,) per-sample noise levels, or python floats / 0-d tensors
+            broadcast to B; 0 <= sigma_next < sigma <= 1.
+        noise_level: a >= 0 (flow_sde's a, dance_sde's eta, cps's a in [0, 1]), float or (B,)
+            so one batch can mix SDE rows with ODE-equivalent rows (a = 0). Ignored by "ode".
+        prev_sample: when given, x' to score instead of sampling (replay). The log-prob is
+            bit-for-bit the one sampling returned for the same inputs: both paths compute mean
+            and std identically and score x' with ``gaussian_log_prob``.
+        generator: RNG for sampling (ignored when ``noise`` or ``prev_sample`` is given).
+        noise: optional pre-drawn standard normal of sample's shape, used instead of drawing;
+            lets the rollout draw per-sample noise so results don't depend on batch composition.
+        reduce: "mean" over non-batch dims (the anchors' convention) or "sum".
+
+    Returns:
+        Transition with float32 prev_sample, mean, std (B,) and log_prob (B,).
+        "ode" draws no noise, returns prev_sample = mean, std = 0 and log_prob = 0.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS} (got {kind!r})")
+    if reduce not in REDUCTIONS:
+        raise ValueError(f"reduce must be one of {REDUCTIONS} (got {reduce!r})")
+    x = _as_float32(sample, "sample")
+    if x.ndim < 1:
+        raise ValueError("sample must have a batch dimension (got a 0-d tensor)")
+    v = _as_float32(velocity, "velocity").to(x.device)
+    _check_velocity_shape(v, x)
+    batch = x.shape[0]
+    sigma_t = _per_sample(sigma, "sigma", batch, x.device)
+    sigma_next_t = _per_sample(sigma_next, "sigma_next", batch, x.device)
+    _check_sigma_pair(sigma_t, sigma_next_t)
+    level = _per_sample(noise_level, "noise_level", batch, x.device)
+    if bool((level < 0).any()):
+        raise ValueError(f"noise_level must be >= 0 (got {level.min().item():.6g})")
+    if kind == "cps" and bool((level > 1).any()):
+        raise ValueError("noise_level must be in [0, 1] for kind='cps' (it is a in "
+                         f"std = sigma_next sin(a pi/2)); got {level.max().item():.6g}")
+    if prev_sample is not None and noise is not None:
+        raise ValueError("pass prev_sample (replay) or noise (sampling), not both")
+
+    mean, std = _mean_and_std(kind, v, x, sigma_t, sigma_next_t, level)
+    if prev_sample is not None:
+        x_next = _as_float32(prev_sample, "prev_sample").to(x.device)
+        if x_next.shape != x.shape:
+            raise ValueError(f"prev_sample must have the shape of sample {tuple(x.shape)} "
+                             f"(got {tuple(x_next.shape)})")
+    elif kind == "ode":
+        x_next = mean
+    else:
+        x_next = mean + _rows(std, x.ndim) * _standard_normal(x, noise, generator)
+    log_prob = gaussian_log_prob(x_next, mean, std, reduce=reduce)
+    return Transition(prev_sample=x_next, mean=mean, std=std, log_prob=log_prob)
+
+
+# ----------------------------------------------------------------------------- ODE solvers
+
+
+def _log_snr(sigma: Tensor) -> Tensor:
+    """lambda = log(alpha / sigma) with alpha = 1 - sigma; -inf at sigma = 1, +inf at sigma = 0."""
+    return torch.log(1.0 - sigma) - torch.log(sigma)
+
+
+def dpmpp_2m_step(sample: Tensor, velocity: Tensor, sigma: float | Tensor,
+                  sigma_next: float | Tensor, *, prev_x0: Tensor | None = None,
+                  prev_sigma: float | Tensor | None = None,
+                  final: bool = False) -> tuple[Tensor, Tensor]:
+    """One DPM-Solver++(2M) step (data prediction, multistep) from sigma to sigma_next.
+
+    With alpha = 1 - sigma, lambda = log(alpha / sigma), h = lambda_next - lambda and
+    x0_hat = x - sigma v:
+        first order:  x' = (sigma_next / sigma) x - alpha_next (e^-h - 1) x0_hat
+        second order: x' = first order - 0.5 alpha_next (e^-h - 1) D1,
+                      D1 = (x0_hat - prev_x0) / r0, r0 = h_prev / h, h_prev = lambda - lambda_prev.
+    The first-order step equals an Euler step in exact arithmetic (flow matching's DDIM).
+    Second order is used per row when ``prev_x0``/``prev_sigma`` are given, ``final`` is False,
+    sigma_next > 0 and prev_sigma < 1 (at prev_sigma = 1, lambda_prev = -inf and r0 = inf, i.e.
+    D1 = 0). At sigma_next == 0 the step returns x0_hat exactly.
+
+    Args:
+        sample, velocity: (B, ...); computed in float32.
+        sigma, sigma_next: (B,) or scalars, 0 <= sigma_next < sigma <= 1.
+        prev_x0: x0_hat (B, ...) returned by the previous step, or None (first order).
+        prev_sigma: the previous step's sigma (B,) or scalar, > sigma; required with prev_x0.
+        final: force first order (the last step of a schedule).
+
+    Returns:
+        (next_sample, x0_hat), both (B, ...) float32; pass x0_hat and sigma as prev_x0 and
+        prev_sigma to the next step.
+    """
+    x = _as_float32(sample, "sample")
+    v = _as_float32(velocity, "velocity").to(x.device)
+    _check_velocity_shape(v, x)
+    if (prev_x0 is None) != (prev_sigma is None):
+        raise ValueError("prev_x0 and prev_sigma must be given together (or both None)")
+    batch, ndim = x.shape[0], x.ndim
+    sigma_t = _per_sample(sigma, "sigma", batch, x.device)
+    sigma_next_t = _per_sample(sigma_next, "sigma_next", batch, x.device)
+    _check_sigma_pair(sigma_t, sigma_next_t)
+
+    x0_hat = x - _rows(sigma_t, ndim) * v
+    # e^-h = (sigma_next alpha) / (sigma alpha_next); alpha_next > 0 because sigma_next < 1.
+    alpha, alpha_next = 1.0 - sigma_t, 1.0 - sigma_next_t
+    exp_neg_h = (sigma_next_t * alpha) / (sigma_t * alpha_next)
+    data_coef = alpha_next * (1.0 - exp_neg_h)                  # -alpha_next (e^-h - 1)
+    next_sample = _rows(sigma_next_t / sigma_t, ndim) * x + _rows(data_coef, ndim) * x0_hat
+
+    if prev_x0 is not None and not final:
+        prev_x0_f = _as_float32(prev_x0, "prev_x0").to(x.device)
+        if prev_x0_f.shape != x.shape:
+            raise ValueError(f"prev_x0 must have the shape of sample {tuple(x.shape)} "
+                             f"(got {tuple(prev_x0_f.shape)})")
+        prev_sigma_t = _per_sample(prev_sigma, "prev_sigma", batch, x.device)
+        if bool((prev_sigma_t <= sigma_t).any()) or bool((prev_sigma_t > 1).any()):
+            raise ValueError("prev_sigma must be in (sigma, 1] for every sample (it is the sigma "
+                             f"of the previous step); got {prev_sigma_t.tolist()} vs sigma "
+                             f"{sigma_t.tolist()}")
+        second_order = (sigma_next_t > 0) & (prev_sigma_t < 1)
+        lam = _log_snr(sigma_t)
+        h = torch.where(second_order, _log_snr(sigma_next_t) - lam, torch.ones_like(lam))
+        h_prev = torch.where(second_order, lam - _log_snr(prev_sigma_t), torch.ones_like(lam))
+        correction_coef = torch.where(second_order, 0.5 * data_coef * h / h_prev,
+                                      torch.zeros_like(lam))               # 0.5 c / r0
+        next_sample = next_sample + _rows(correction_coef, ndim) * (x0_hat - prev_x0_f)
+
+    at_data = _rows(sigma_next_t == 0, ndim)
+    next_sample = torch.where(at_data, x0_hat, next_sample)
+    return next_sample, x0_hat
+
+
+def ode_solve(velocity_fn: Callable[[Tensor, Tensor], Tensor], x: Tensor, sigmas: Tensor,
+              solver: str = "euler") -> Tensor:
+    """Integrate the probability-flow ODE along a whole schedule; one velocity call per step.
+
+    Args:
+        velocity_fn: (x (B, ...) float32, sigma (B,) float32) -> velocity (B, ...).
+        x: (B, ...) start latents at sigmas[0].
+        sigmas: (n+1,) strictly decreasing schedule in [0, 1].
+        solver: "euler" or "dpmpp_2m" (second order from the second step on, first order on the
+            final step).
+
+    Returns:
+        (B, ...) float32 latents at sigmas[-1].
+    """
+    if solver not in ODE_SOLVERS:
+        raise ValueError(f"solver must be one of {ODE_SOLVERS} (got {solver!r})")
+    sigmas = _as_float32(torch.as_tensor(sigmas), "sigmas")
+    if sigmas.ndim != 1 or sigmas.numel() < 2:
+        raise ValueError(f"sigmas must be a 1-D schedule of length >= 2 (got shape "
+                         f"{tuple(sigmas.shape)})")
+    if not bool((sigmas[1:] < sigmas[:-1]).all()):
+        raise ValueError("sigmas must be strictly decreasing")
+    state = _as_float32(x, "x")
+    batch = state.shape[0]
+    sigmas = sigmas.to(state.device)
+    prev_x0, prev_sigma = None, None
+    num_steps = sigmas.numel() - 1
+    for step in range(num_steps):
+        sigma = sigmas[step].expand(batch)
+        sigma_next = sigmas[step + 1].expand(batch)
+        velocity = velocity_fn(state, sigma)
+        if solver == "euler":
+            state = transition("ode", velocity, state, sigma, sigma_next).prev_sample
+        else:
+            state, prev_x0 = dpmpp_2m_step(state, velocity, sigma, sigma_next, prev_x0=prev_x0,
+                                           prev_sigma=prev_sigma, final=step == num_steps - 1)
+            prev_sigma = sigma
+    return state
+
+
+# ----------------------------------------------------------------------------- schedules
+
+
+def shift_sigma(sigma: float | Tensor, shift: float) -> float | Tensor:
+    """SD3's static time shift: shift sigma / (1 + (shift - 1) sigma); shift > 0, 1 = identity."""
+    if shift <= 0:
+        raise ValueError(f"shift must be > 0 (got {shift})")
+    return shift * sigma / (1 + (shift - 1) * sigma)
+
+
+def calculate_shift(image_seq_len: int, base_seq_len: int = 256, max_seq_len: int = 4096,
+                    base_shift: float = 0.5, max_shift: float = 1.15) -> float:
+    """FLUX's mu: linear in the packed image sequence length, base_shift at base_seq_len and
+    max_shift at max_seq_len (extrapolated outside)."""
+    if max_seq_len == base_seq_len:
+        raise ValueError(f"max_seq_len must differ from base_seq_len (both {base_seq_len})")
+    slope = (max_shift - base_shift) / (max_seq_len - base_seq_len)
+    return image_seq_len * slope + (base_shift - slope * base_seq_len)
+
+
+def exponential_time_shift(sigma: float | Tensor, mu: float) -> float | Tensor:
+    """FLUX's dynamic shift: e^mu / (e^mu + 1/sigma - 1), sigma in (0, 1]."""
+    return math.exp(mu) / (math.exp(mu) + (1.0 / sigma - 1.0))
+
+
+def _check_num_steps(num_steps: int) -> None:
+    if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 1:
+        raise ValueError(f"num_steps must be an int >= 1 (got {num_steps!r})")
+
+
+def static_shift_sigmas(num_steps: int, shift: float, num_train_timesteps: int = 1000) -> Tensor:
+    """(num_steps + 1,) float32 SD3-style schedule ending at 0.
+
+    Same as ``FlowMatchEulerDiscreteScheduler(shift=shift).set_timesteps(num_steps).sigmas``:
+    the grid runs linearly from 1 to the scheduler's sigma_min, which is the *shifted* last
+    training sigma shift(1 / num_train_timesteps), and is then shifted again (so the last
+    non-zero sigma is shift(shift(1/T)), e.g. 0.00893 for shift 3).
+    """
+    _check_num_steps(num_steps)
+    if num_train_timesteps < 1:
+        raise ValueError(f"num_train_timesteps must be >= 1 (got {num_train_timesteps})")
+    sigma_min = shift_sigma(1.0 / num_train_timesteps, shift)
+    grid = torch.linspace(1.0, sigma_min, num_steps, dtype=torch.float64)
+    sigmas = shift_sigma(grid, shift).to(torch.float32)
+    return torch.cat([sigmas, torch.zeros(1, dtype=torch.float32)])
+
+
+def dynamic_shift_sigmas(num_steps: int, image_seq_len: int, base_seq_len: int = 256,
+                         max_seq_len: int = 4096, base_shift: float = 0.5,
+                         max_shift: float = 1.15) -> Tensor:
+    """(num_steps + 1,) float32 FLUX-style schedule ending at 0.
+
+    Same as FluxPipeline with a ``use_dynamic_shifting`` scheduler: sigmas = linspace(1, 1/N, N),
+    mu = calculate_shift(image_seq_len, ...), sigma' = e^mu / (e^mu + 1/sigma - 1), then 0.
+    """
+    _check_num_steps(num_steps)
+    if image_seq_len < 1:
+        raise ValueError(f"image_seq_len must be >= 1 (got {image_seq_len})")
+    mu = calculate_shift(image_seq_len, base_seq_len, max_seq_len, base_shift, max_shift)
+    grid = torch.linspace(1.0, 1.0 / num_steps, num_steps, dtype=torch.float64)
+    sigmas = exponential_time_shift(grid, mu).to(torch.float32)
+    return torch.cat([sigmas, torch.zeros(1, dtype=torch.float32)])
