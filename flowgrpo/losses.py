@@ -1,0 +1,371 @@
+"""Policy losses: the clipped surrogate for flow transitions and for language-model tokens.
+
+Pure functions on tensors; the maths is done in float32 (or float64 when given float64) whatever
+the input dtype. Notation follows REFERENCE.md: sigma the current noise level, sigma_next the next
+(smaller) one, D = sigma - sigma_next > 0, ``mean_d`` the mean over all non-batch dimensions, a
+transition x -> x' is Gaussian N(mean, std^2 I) with ``std`` of shape (B,), and ``logp`` is its
+log-density averaged over dims (``reduce="mean"`` in ``flowgrpo.sde``).
+
+Flow transitions
+    ``policy_loss``            PPO clipped surrogate with per-sample weights
+    ``guard_log_ratio``        GRPO-Guard RatioNorm log-ratio
+    ``guard_step_weights``     GRPO-Guard 1/D gradient reweighting
+    ``rectification_weights``  Flash-GRPO temporal rectification kappa
+    ``flow_kl``                KL to the reference policy per dim
+
+Language-model tokens
+    ``token_policy_loss``      GRPO / BNPO / Dr. GRPO / DAPO aggregation, token or sequence
+                               (GSPO) importance ratios, k3 KL to a reference; matches TRL.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+TOKEN_AGGREGATIONS = ("grpo", "bnpo", "dr_grpo", "dapo")
+TOKEN_LEVELS = ("token", "sequence")
+
+
+def _compute_dtype(*tensors: Tensor) -> torch.dtype:
+    """float64 if any input is float64, else float32 (bf16/fp16 ratios are too coarse)."""
+    return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def _check_shape(tensor: Tensor, name: str, shape: tuple[int, ...], what: str) -> None:
+    if not isinstance(tensor, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor (got {type(tensor).__name__})")
+    if tuple(tensor.shape) != shape:
+        raise ValueError(f"{name} must have shape {what} = {shape} (got {tuple(tensor.shape)})")
+
+
+def _check_clip(clip_low: float, clip_high: float) -> None:
+    if not 0 <= clip_low <= 1:
+        raise ValueError(f"clip_low must be in [0, 1] so that 1 - clip_low >= 0 (got {clip_low})")
+    if clip_high < 0:
+        raise ValueError(f"clip_high must be >= 0 (got {clip_high})")
+
+
+def _mean_over_dims(x: Tensor) -> Tensor:
+    """(B, ...) -> (B,): mean over every non-batch dimension."""
+    return x.reshape(x.shape[0], -1).mean(dim=1)
+
+
+def _check_sigmas(sigma: Tensor, sigma_next: Tensor) -> None:
+    if sigma.dim() != 1:
+        raise ValueError(f"sigma must have shape (B,) (got {tuple(sigma.shape)})")
+    _check_shape(sigma_next, "sigma_next", tuple(sigma.shape), "(B,) like sigma")
+    if bool((sigma_next >= sigma).any()):
+        raise ValueError("sigma_next must be < sigma for every sample (the schedule runs from 1 to 0); "
+                         "pass each trained step's own (sigma, sigma_next)")
+
+
+def policy_loss(logp: Tensor, logp_old: Tensor, advantages: Tensor, clip_low: float, clip_high: float, *,
+                weights: Tensor | None = None,
+                log_ratio: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO clipped surrogate over a batch of transitions.
+
+    ratio r = exp(logp - logp_old), or exp(log_ratio) when ``log_ratio`` is given (e.g. from
+    ``guard_log_ratio``; logp and logp_old are then only checked for shape). Per sample
+    l = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high)), and
+
+        loss = sum_i w_i l_i / #{i : w_i > 0}      (loss = 0 when every weight is 0)
+
+    i.e. the mean of w l over the rows that count. Rows with w = 0 (padding, masked samples)
+    contribute neither value nor gradient, even if their log-ratio is inf/NaN. The weights keep
+    their absolute scale (the loss is not divided by sum(w)): a micro-batch often holds a single
+    timestep, and a sum(w) normaliser would cancel any per-timestep weight. Normalise weights to
+    mean 1 over all the trained (row, step) pairs of an iteration instead (see
+    ``guard_step_weights``). The clip is PPO's: once the ratio has left the range on the side the
+    advantage pushes towards, that sample's gradient is exactly 0.
+
+    Args:
+        logp, logp_old: (B,) log-probs of the trained transitions under the current and the
+            rollout policy (logp_old without gradient).
+        advantages: (B,).
+        clip_low, clip_high: the ratio is clipped to [1 - clip_low, 1 + clip_high].
+        weights: (B,) >= 0 per-sample weights; default ones.
+        log_ratio: (B,) log r to use instead of logp - logp_old.
+
+    Returns:
+        scalar loss, and detached stats over the rows with w > 0: ``clip_fraction`` (ratio
+        outside the clip range, PPO's clipfrac), ``clip_fraction_active`` (outside on the side
+        where the gradient is zeroed), ``ratio_mean``, ``ratio_min``, ``ratio_max`` and
+        ``approx_kl``, the k3 estimator mean((r - 1) - log r) >= 0 of KL(old || new).
+    """
+    _check_clip(clip_low, clip_high)
+    if logp.dim() != 1:
+        raise ValueError(f"logp must have shape (B,) (got {tuple(logp.shape)})")
+    batch = (logp.shape[0],)
+    _check_shape(logp_old, "logp_old", batch, "(B,) like logp")
+    _check_shape(advantages, "advantages", batch, "(B,) like logp")
+    dtype = _compute_dtype(logp, logp_old, advantages)
+    if log_ratio is None:
+        log_ratio = logp.to(dtype) - logp_old.detach().to(dtype)
+    else:
+        _check_shape(log_ratio, "log_ratio", batch, "(B,) like logp")
+        log_ratio = log_ratio.to(dtype)
+    if weights is None:
+        weights = torch.ones(batch, dtype=dtype, device=logp.device)
+    else:
+        _check_shape(weights, "weights", batch, "(B,) like logp")
+        if bool((weights < 0).any()):
+            raise ValueError("weights must be >= 0 (a negative weight flips the advantage's sign)")
+        weights = weights.detach().to(dtype)
+    advantages = advantages.detach().to(dtype)
+
+    kept = weights > 0
+    log_ratio = torch.where(kept, log_ratio, torch.zeros_like(log_ratio))
+    ratio = torch.exp(log_ratio)
+    ratio_clipped = ratio.clamp(1 - clip_low, 1 + clip_high)
+    per_sample = torch.maximum(-advantages * ratio, -advantages * ratio_clipped)
+    per_sample = torch.where(kept, per_sample, torch.zeros_like(per_sample))
+    loss = (weights * per_sample).sum() / kept.sum().clamp(min=1).to(dtype)
+
+    with torch.no_grad():
+        r = ratio.detach()
+        low, high = r < 1 - clip_low, r > 1 + clip_high
+        active = (low & (advantages < 0)) | (high & (advantages > 0))
+        count = kept.sum().clamp(min=1).to(dtype)
+
+        def kept_mean(x: Tensor) -> Tensor:
+            return torch.where(kept, x.to(dtype), torch.zeros_like(r)).sum() / count
+
+        any_kept = kept.any()
+        stats = {
+            "clip_fraction": kept_mean(low | high),
+            "clip_fraction_active": kept_mean(active),
+            "ratio_mean": kept_mean(r),
+            "ratio_min": torch.where(any_kept, torch.where(kept, r, torch.full_like(r, torch.inf)).min(),
+                                     torch.ones((), dtype=dtype, device=r.device)),
+            "ratio_max": torch.where(any_kept, torch.where(kept, r, torch.full_like(r, -torch.inf)).max(),
+                                     torch.ones((), dtype=dtype, device=r.device)),
+            "approx_kl": kept_mean((r - 1) - log_ratio.detach()),
+        }
+    return loss, stats
+
+
+def guard_log_ratio(logp: Tensor, logp_old: Tensor, mean: Tensor, mean_old: Tensor, std: Tensor) -> Tensor:
+    """GRPO-Guard RatioNorm log-ratio, (B,).
+
+        b = mean_d((mean - mean_old)^2) / (2 std^2)
+        log r_hat = (logp - logp_old + b) * std
+
+    With x' = mean_old + std * eps this equals mean_d(eps * (mean - mean_old)): the negative bias
+    of the raw log-ratio is removed and its scale no longer depends on the step's std.
+
+    Args:
+        logp, logp_old: (B,) mean-over-dims Gaussian log-densities of x' under the current policy
+            N(mean, std^2) and the rollout policy N(mean_old, std^2).
+        mean: (B, ...) transition mean under the current policy (carries the gradient).
+        mean_old: (B, ...) transition mean at rollout time (detached).
+        std: (B,) total transition std, > 0.
+    """
+    if logp.dim() != 1:
+        raise ValueError(f"logp must have shape (B,) (got {tuple(logp.shape)})")
+    batch = (logp.shape[0],)
+    _check_shape(logp_old, "logp_old", batch, "(B,) like logp")
+    _check_shape(std, "std", batch, "(B,) like logp")
+    if mean.shape[0] != logp.shape[0] or mean.dim() < 2:
+        raise ValueError(f"mean must have shape (B, ...) with B = {logp.shape[0]} (got {tuple(mean.shape)})")
+    _check_shape(mean_old, "mean_old", tuple(mean.shape), "mean's shape")
+    if bool((std <= 0).any()):
+        raise ValueError("std must be > 0 for every sample: RatioNorm only applies to stochastic "
+                         "transitions (drop ODE steps from the trained steps)")
+    dtype = _compute_dtype(logp, logp_old, mean, std)
+    std = std.detach().to(dtype)
+    bias = _mean_over_dims((mean.to(dtype) - mean_old.detach().to(dtype)) ** 2) / (2 * std ** 2)
+    return (logp.to(dtype) - logp_old.detach().to(dtype) + bias) * std
+
+
+def guard_step_weights(sigma: Tensor, sigma_next: Tensor, *, normalize: bool = True) -> Tensor:
+    """GRPO-Guard gradient reweighting, (B,): w = 1 / D with D = sigma - sigma_next = -dt.
+
+    With ``normalize`` (default) the weights are divided by their mean over the given batch so
+    they average 1 and the learning rate keeps its meaning. Normalise over every trained
+    (row, step) pair of the iteration, not per micro-batch: when a micro-batch holds a single
+    timestep its own mean would turn every weight into 1. So either call this once on all the
+    iteration's (sigma, sigma_next) pairs and index the result, or call it per micro-batch with
+    ``normalize=False`` and divide by that iteration-wide mean yourself.
+
+    Args:
+        sigma, sigma_next: (B,) noise levels of each sample's trained step, sigma_next < sigma.
+    """
+    _check_sigmas(sigma, sigma_next)
+    dtype = _compute_dtype(sigma, sigma_next)
+    inverse_step = 1.0 / (sigma.to(dtype) - sigma_next.to(dtype))
+    return inverse_step / inverse_step.mean() if normalize else inverse_step
+
+
+def rectification_weights(sigma: Tensor, sigma_next: Tensor, std: Tensor, *, normalize: bool = True) -> Tensor:
+    """Flash-GRPO temporal rectification kappa, (B,), for the Flow-GRPO SDE.
+
+    The Flow-GRPO transition has mean x + [v + s^2/(2 sigma) (x + (1 - sigma) v)] dt and std
+    S = s sqrt(D), so d mean / d v = c_v = dt (1 + s^2 (1 - sigma) / (2 sigma)) per element and,
+    at x' = mean + S eps, d log pi / d v = c_v eps / S. The magnitude per unit eps is
+
+        |c_v| / S = sqrt(D) / s + s sqrt(D) (1 - sigma) / (2 sigma)
+
+    and kappa = S / |c_v| equalises the gradient scale across timesteps. s is recovered from the
+    total std as s = S / sqrt(D). The same formula holds for the DanceGRPO SDE (s = eta), not
+    for CPS. With ``normalize`` (default) kappa is divided by its mean over the given batch
+    (REFERENCE.md: kappa / mean_batch(kappa)); as for ``guard_step_weights``, that batch must
+    span the iteration's trained timesteps, not one micro-batch of a single timestep.
+
+    Args:
+        sigma, sigma_next: (B,) noise levels of each sample's trained step, sigma_next < sigma.
+        std: (B,) total transition std S (``Transition.std``), > 0.
+    """
+    _check_sigmas(sigma, sigma_next)
+    _check_shape(std, "std", tuple(sigma.shape), "(B,) like sigma")
+    if bool((std <= 0).any()):
+        raise ValueError("std must be > 0 for every sample: rectification applies to SDE steps only")
+    dtype = _compute_dtype(sigma, sigma_next, std)
+    sigma, sigma_next, std = sigma.to(dtype), sigma_next.to(dtype), std.detach().to(dtype)
+    step = sigma - sigma_next
+    noise_scale = std / step.sqrt()
+    grad_magnitude = step.sqrt() / noise_scale + noise_scale * step.sqrt() * (1 - sigma) / (2 * sigma)
+    kappa = 1.0 / grad_magnitude
+    return kappa / kappa.mean() if normalize else kappa
+
+
+def flow_kl(mean: Tensor, mean_ref: Tensor, std: Tensor) -> Tensor:
+    """KL(N(mean, std^2 I) || N(mean_ref, std^2 I)) divided by the number of dims, (B,):
+
+        mean_d((mean - mean_ref)^2) / (2 std^2)
+
+    Args:
+        mean: (B, ...) transition mean under the policy (carries the gradient).
+        mean_ref: (B, ...) transition mean under the reference policy (detached).
+        std: (B,) the transition std shared by both, > 0.
+    """
+    if mean.dim() < 2:
+        raise ValueError(f"mean must have shape (B, ...) (got {tuple(mean.shape)})")
+    _check_shape(mean_ref, "mean_ref", tuple(mean.shape), "mean's shape")
+    _check_shape(std, "std", (mean.shape[0],), "(B,)")
+    dtype = _compute_dtype(mean, std)
+    std = std.detach().to(dtype)
+    return _mean_over_dims((mean.to(dtype) - mean_ref.detach().to(dtype)) ** 2) / (2 * std ** 2)
+
+
+def token_policy_loss(logp: Tensor, logp_old: Tensor, advantages: Tensor, mask: Tensor, *,
+                      clip_low: float = 0.2, clip_high: float = 0.2, aggregation: str = "grpo",
+                      level: str = "token", max_len: int | None = None,
+                      num_tokens_global: float | None = None, logp_ref: Tensor | None = None,
+                      beta: float = 0.0) -> tuple[Tensor, dict[str, Tensor]]:
+    """Clipped surrogate on completion tokens, aggregated as in GRPO and its variants.
+
+    Per token l = -min(r A, clip(r, 1 - clip_low, 1 + clip_high) A) + beta k3, with
+    k3 = exp(logp_ref - logp) - (logp_ref - logp) - 1 (only when beta != 0). The ratio r:
+
+    - ``level="token"``: r_t = exp(logp_t - logp_old_t).
+    - ``level="sequence"`` (GSPO): s = exp(masked mean_t(logp_t - logp_old_t)) per sequence, used
+      in the GSPO-token form r_t = sg[s] * exp(logp_t - sg[logp_t]): its value is s at every token
+      and its gradient w.r.t. logp_t is s. Its loss and gradients equal TRL's
+      ``importance_sampling_level="sequence"`` (a (B, 1) ratio broadcast over tokens) for every
+      aggregation, and it also admits per-token advantages.
+
+    Aggregation with m the mask, over the local batch of B sequences:
+
+    - ``"grpo"``:    mean_i( sum_t l m / max(sum_t m, 1) )
+    - ``"bnpo"``:    sum l m / max(sum m, 1)
+    - ``"dr_grpo"``: sum l m / (B * max_len), max_len defaulting to T
+    - ``"dapo"``:    sum l m / num_tokens_global, defaulting to sum m (local). With P data-parallel
+      ranks whose gradients are averaged, pass (tokens in the global batch) / P so that the
+      averaged gradient is that of sum(l m) / (global tokens): TRL's ``dapo`` normaliser is
+      ``num_items_in_batch / num_processes`` (scaled for gradient accumulation).
+
+    TRL's grpo/bnpo/dr_grpo also divide by the gradient-accumulation steps; that belongs to the
+    trainer, not here. Masked positions contribute neither value nor gradient.
+
+    Args:
+        logp: (B, T) per-token log-probs under the current policy (carries the gradient).
+        logp_old: (B, T) per-token log-probs at rollout time.
+        advantages: (B,) per sequence, or (B, T) per token.
+        mask: (B, T) 1 for completion tokens, 0 for padding.
+        logp_ref: (B, T) reference-policy log-probs; required when beta != 0.
+        beta: weight of the k3 KL penalty.
+
+    Returns:
+        scalar loss and detached stats, means over the masked tokens: ``clip_fraction`` (ratio
+        outside the range), ``clip_fraction_low`` / ``clip_fraction_high`` (outside below with
+        A < 0 / above with A > 0: TRL's clip_ratio low/high, where the gradient is zeroed),
+        ``ratio_mean``, and ``kl`` (mean k3) when ``logp_ref`` is given.
+    """
+    _check_clip(clip_low, clip_high)
+    if aggregation not in TOKEN_AGGREGATIONS:
+        raise ValueError(f"aggregation must be one of {TOKEN_AGGREGATIONS} (got {aggregation!r})")
+    if level not in TOKEN_LEVELS:
+        raise ValueError(f"level must be one of {TOKEN_LEVELS} (got {level!r})")
+    if logp.dim() != 2:
+        raise ValueError(f"logp must have shape (B, T) (got {tuple(logp.shape)})")
+    batch, length = logp.shape
+    _check_shape(logp_old, "logp_old", (batch, length), "(B, T) like logp")
+    _check_shape(mask, "mask", (batch, length), "(B, T) like logp")
+    if advantages.shape not in ((batch,), (batch, length)):
+        raise ValueError(f"advantages must have shape (B,) = ({batch},) or (B, T) = ({batch}, {length}) "
+                         f"(got {tuple(advantages.shape)})")
+    if beta < 0:
+        raise ValueError(f"beta must be >= 0 (got {beta})")
+    if beta != 0 and logp_ref is None:
+        raise ValueError(f"logp_ref (B, T) is required when beta != 0 (got beta={beta}); "
+                         "pass the reference model's token log-probs or set beta=0")
+    if logp_ref is not None:
+        _check_shape(logp_ref, "logp_ref", (batch, length), "(B, T) like logp")
+    if max_len is not None and max_len < length:
+        raise ValueError(f"max_len must be >= the completion length T = {length} (got {max_len})")
+    if num_tokens_global is not None and not num_tokens_global > 0:
+        raise ValueError(f"num_tokens_global must be > 0 (got {num_tokens_global})")
+
+    dtype = _compute_dtype(logp, logp_old, advantages)
+    logp = logp.to(dtype)
+    mask = mask.detach().to(dtype)
+    kept = mask > 0
+    advantages = advantages.detach().to(dtype)
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(1)
+
+    token_log_ratio = torch.where(kept, logp - logp_old.detach().to(dtype), torch.zeros_like(logp))
+    if level == "token":
+        log_ratio = token_log_ratio
+    else:
+        tokens_per_sequence = mask.sum(dim=1, keepdim=True).clamp(min=1)
+        sequence_log_ratio = (token_log_ratio * mask).sum(dim=1, keepdim=True) / tokens_per_sequence
+        pass_through = torch.where(kept, logp - logp.detach(), torch.zeros_like(logp))
+        log_ratio = sequence_log_ratio.detach() + pass_through
+    ratio = torch.exp(log_ratio)
+    ratio_clipped = ratio.clamp(1 - clip_low, 1 + clip_high)
+    per_token = -torch.minimum(ratio * advantages, ratio_clipped * advantages)
+
+    token_kl = None
+    if logp_ref is not None:
+        ref_minus_logp = torch.where(kept, logp_ref.detach().to(dtype) - logp, torch.zeros_like(logp))
+        token_kl = torch.exp(ref_minus_logp) - ref_minus_logp - 1
+        if beta != 0:
+            per_token = per_token + beta * token_kl
+
+    masked_loss = per_token * mask
+    if aggregation == "grpo":
+        loss = (masked_loss.sum(dim=1) / mask.sum(dim=1).clamp(min=1)).mean()
+    elif aggregation == "bnpo":
+        loss = masked_loss.sum() / mask.sum().clamp(min=1)
+    elif aggregation == "dr_grpo":
+        loss = masked_loss.sum() / (batch * (length if max_len is None else max_len))
+    else:
+        normaliser = mask.sum().clamp(min=1) if num_tokens_global is None else num_tokens_global
+        loss = masked_loss.sum() / normaliser
+
+    with torch.no_grad():
+        r = ratio.detach()
+        low, high = r < 1 - clip_low, r > 1 + clip_high
+        token_count = mask.sum().clamp(min=1)
+
+        def token_mean(x: Tensor) -> Tensor:
+            return (x.to(dtype) * mask).sum() / token_count
+
+        stats = {"clip_fraction": token_mean(low | high),
+                 "clip_fraction_low": token_mean(low & (advantages < 0)),
+                 "clip_fraction_high": token_mean(high & (advantages > 0)),
+                 "ratio_mean": token_mean(r)}
+        if token_kl is not None:
+            stats["kl"] = token_mean(token_kl.detach())
+    return loss, stats

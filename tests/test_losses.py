@@ -1,0 +1,220 @@
+"""Flow-transition losses: clipped surrogate, GRPO-Guard, Flash-GRPO rectification, KL."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from flowgrpo.losses import flow_kl, guard_log_ratio, guard_step_weights, policy_loss, rectification_weights
+
+LOG_2PI = math.log(2 * math.pi)
+
+
+def _gaussian_logp_mean(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) -> torch.Tensor:
+    """(B,) per-element Gaussian log-density of x under N(mean, std^2), averaged over dims."""
+    std = std.view(-1, *([1] * (x.dim() - 1)))
+    density = -((x - mean) ** 2) / (2 * std ** 2) - torch.log(std) - 0.5 * LOG_2PI
+    return density.flatten(1).mean(dim=1)
+
+
+# ---------------------------------------------------------------- policy_loss
+
+
+def test_policy_loss_closed_form():
+    logp = torch.tensor([0.0, 0.3, -0.3, 0.05, -0.02])
+    logp_old = torch.zeros(5)
+    advantages = torch.tensor([1.0, 2.0, -1.5, -1.0, 0.5])
+    clip_low, clip_high = 0.1, 0.2
+    weights = torch.tensor([1.0, 2.0, 1.0, 0.5, 3.0])
+    loss, stats = policy_loss(logp, logp_old, advantages, clip_low, clip_high, weights=weights)
+
+    expected_terms, kl = [], []
+    for lp, a in zip(logp.tolist(), advantages.tolist()):
+        r = math.exp(lp)
+        expected_terms.append(max(-a * r, -a * min(max(r, 1 - clip_low), 1 + clip_high)))
+        kl.append(r - 1 - lp)
+    expected = sum(w * t for w, t in zip(weights.tolist(), expected_terms)) / 5
+    assert loss.item() == pytest.approx(expected, rel=1e-6)
+    # exp(0.3) > 1.2 and exp(-0.3) < 0.9 are outside the range; both on the side that zeroes the gradient
+    assert stats["clip_fraction"].item() == pytest.approx(2 / 5)
+    assert stats["clip_fraction_active"].item() == pytest.approx(2 / 5)
+    assert stats["ratio_max"].item() == pytest.approx(math.exp(0.3), rel=1e-6)
+    assert stats["ratio_min"].item() == pytest.approx(math.exp(-0.3), rel=1e-6)
+    assert stats["ratio_mean"].item() == pytest.approx(sum(math.exp(x) for x in logp.tolist()) / 5, rel=1e-6)
+    assert stats["approx_kl"].item() == pytest.approx(sum(kl) / 5, rel=1e-5)
+    assert not any(v.requires_grad for v in stats.values())
+
+
+def test_on_policy_gradient_step_increases_logp_of_positive_advantage():
+    logp_old = torch.tensor([-1.3, -0.7])
+    logp = logp_old.clone().requires_grad_(True)
+    advantages = torch.tensor([1.0, -2.0])
+    loss, stats = policy_loss(logp, logp_old, advantages, 1e-4, 1e-4)
+    assert stats["ratio_mean"].item() == 1.0
+    loss.backward()
+    # d loss / d logp = -A / B at ratio 1
+    torch.testing.assert_close(logp.grad, torch.tensor([-0.5, 1.0]))
+    stepped = logp.detach() - 0.1 * logp.grad
+    assert stepped[0] > logp_old[0] and stepped[1] < logp_old[1]
+
+
+@pytest.mark.parametrize(
+    "log_ratio, advantage, zero_gradient",
+    [(0.5, 1.0, True),     # ratio above 1 + clip with A > 0: clipped
+     (-0.5, -1.0, True),   # ratio below 1 - clip with A < 0: clipped
+     (0.5, -1.0, False),   # above the range but A < 0: the unclipped (worse) term is kept
+     (-0.5, 1.0, False),   # below the range but A > 0: kept
+     (0.01, 1.0, False)])  # inside the range
+def test_clip_zeroes_gradient_only_on_the_pushed_side(log_ratio, advantage, zero_gradient):
+    logp = torch.tensor([log_ratio], requires_grad=True)
+    loss, _ = policy_loss(logp, torch.zeros(1), torch.tensor([advantage]), 0.2, 0.2)
+    loss.backward()
+    if zero_gradient:
+        assert logp.grad.item() == 0.0
+    else:
+        assert logp.grad.item() == pytest.approx(-advantage * math.exp(log_ratio), rel=1e-6)
+
+
+def test_zero_weight_rows_contribute_nothing_even_when_non_finite():
+    logp = torch.tensor([0.01, 50_000.0, -0.02], requires_grad=True)     # exp(5e4) overflows
+    logp_old = torch.zeros(3)
+    advantages = torch.tensor([1.0, float("nan"), -1.0])
+    weights = torch.tensor([2.0, 0.0, 1.0])
+    loss, stats = policy_loss(logp, logp_old, advantages, 0.2, 0.2, weights=weights)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(logp.grad).all()
+    assert logp.grad[1].item() == 0.0
+    subset, _ = policy_loss(logp.detach()[[0, 2]], logp_old[[0, 2]], advantages[[0, 2]], 0.2, 0.2,
+                            weights=weights[[0, 2]])
+    assert loss.item() == pytest.approx(subset.item(), rel=1e-6)
+    assert stats["ratio_max"].item() == pytest.approx(math.exp(0.01), rel=1e-6)
+
+
+def test_weights_keep_their_scale_across_micro_batches():
+    # A micro-batch of one timestep: its weights are all equal, yet they must still scale the loss
+    # (a sum(w) normaliser would cancel them and silently disable per-timestep reweighting).
+    logp = torch.tensor([0.01, -0.02, 0.03])
+    advantages = torch.tensor([1.0, -0.5, 2.0])
+    plain, _ = policy_loss(logp, torch.zeros(3), advantages, 0.2, 0.2)
+    weighted, _ = policy_loss(logp, torch.zeros(3), advantages, 0.2, 0.2, weights=torch.full((3,), 3.0))
+    assert weighted.item() == pytest.approx(3.0 * plain.item(), rel=1e-6)
+    empty, _ = policy_loss(logp, torch.zeros(3), advantages, 0.2, 0.2, weights=torch.zeros(3))
+    assert empty.item() == 0.0
+
+
+def test_policy_loss_uses_given_log_ratio():
+    logp = torch.zeros(3)
+    log_ratio = torch.tensor([0.1, -0.1, 0.0])
+    advantages = torch.tensor([1.0, 1.0, 1.0])
+    loss, stats = policy_loss(logp, logp, advantages, 0.5, 0.5, log_ratio=log_ratio)
+    assert loss.item() == pytest.approx(-(math.exp(0.1) + math.exp(-0.1) + 1) / 3, rel=1e-6)
+    assert stats["ratio_max"].item() == pytest.approx(math.exp(0.1), rel=1e-6)
+
+
+def test_policy_loss_rejects_bad_arguments():
+    x = torch.zeros(3)
+    with pytest.raises(ValueError, match="clip_low"):
+        policy_loss(x, x, x, -0.1, 0.1)
+    with pytest.raises(ValueError, match="advantages"):
+        policy_loss(x, x, torch.zeros(2), 0.1, 0.1)
+    with pytest.raises(ValueError, match="weights must be >= 0"):
+        policy_loss(x, x, x, 0.1, 0.1, weights=torch.tensor([1.0, -1.0, 1.0]))
+
+
+# ---------------------------------------------------------------- GRPO-Guard
+
+
+def test_guard_log_ratio_equals_noise_projection():
+    generator = torch.Generator().manual_seed(0)
+    shape = (4, 3, 5, 5)
+    mean_old = torch.randn(shape, generator=generator, dtype=torch.float64)
+    mean = mean_old + 0.05 * torch.randn(shape, generator=generator, dtype=torch.float64)
+    std = torch.tensor([0.7, 0.2, 0.05, 0.01], dtype=torch.float64)
+    eps = torch.randn(shape, generator=generator, dtype=torch.float64)
+    sample = mean_old + std.view(-1, 1, 1, 1) * eps
+    logp = _gaussian_logp_mean(sample, mean, std)
+    logp_old = _gaussian_logp_mean(sample, mean_old, std)
+    log_ratio = guard_log_ratio(logp, logp_old, mean, mean_old, std)
+    expected = (eps * (mean - mean_old)).flatten(1).mean(dim=1)
+    torch.testing.assert_close(log_ratio, expected, rtol=1e-9, atol=1e-12)
+    # the raw log-ratio is biased by -b and scaled by 1/std; the guard removes both
+    raw = logp - logp_old
+    assert not torch.allclose(raw, expected, rtol=1e-2, atol=1e-3)
+
+
+def test_guard_log_ratio_is_zero_on_policy():
+    mean = torch.randn(2, 8)
+    std = torch.tensor([0.3, 0.1])
+    logp = torch.tensor([-0.2, 0.4])
+    assert guard_log_ratio(logp, logp, mean, mean, std).abs().max().item() == 0.0
+
+
+def test_guard_step_weights_are_inverse_step_sizes_with_unit_mean():
+    sigma = torch.tensor([1.0, 0.96013, 0.46488, 0.27805])
+    sigma_next = torch.tensor([0.96013, 0.91335, 0.27805, 0.00893])
+    inverse = 1 / (sigma - sigma_next)
+    torch.testing.assert_close(guard_step_weights(sigma, sigma_next, normalize=False), inverse)
+    weights = guard_step_weights(sigma, sigma_next)
+    torch.testing.assert_close(weights, inverse / inverse.mean())
+    assert weights.mean().item() == pytest.approx(1.0, rel=1e-6)
+    with pytest.raises(ValueError, match="sigma_next must be < sigma"):
+        guard_step_weights(sigma_next, sigma)
+
+
+# ---------------------------------------------------------------- Flash-GRPO rectification
+
+
+def _flow_sde_logp_grad_wrt_velocity(sigma: float, sigma_next: float, noise_level: float) -> tuple[float, float]:
+    """|d log pi / d v| per element at unit noise for the Flow-GRPO SDE (REFERENCE.md), by autograd;
+    also returns the transition's total std."""
+    sigma_tilde = sigma_next if sigma == 1.0 else sigma
+    s = noise_level * math.sqrt(sigma / (1 - sigma_tilde))
+    step = sigma - sigma_next
+    total_std = s * math.sqrt(step)
+    dt = -step
+    x = torch.randn(1, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    velocity = torch.randn(1, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(2),
+                           requires_grad=True)
+    eps_hat = x + (1 - sigma) * velocity
+    mean = x + (velocity + s ** 2 / (2 * sigma) * eps_hat) * dt
+    sample = (mean + total_std * torch.ones_like(mean)).detach()      # unit noise
+    density = -((sample - mean) ** 2) / (2 * total_std ** 2) - math.log(total_std) - 0.5 * LOG_2PI
+    (grad,) = torch.autograd.grad(density.sum(), velocity)
+    assert torch.allclose(grad, grad[0, 0].expand_as(grad))
+    return abs(grad[0, 0].item()), total_std
+
+
+def test_rectification_weights_are_inverse_autograd_sensitivity():
+    sigmas = [1.0, 0.96013, 0.79037, 0.46488, 0.27805]
+    sigmas_next = [0.96013, 0.91335, 0.70728, 0.27805, 0.00893]
+    noise_level = 0.7
+    grads, stds = zip(*(_flow_sde_logp_grad_wrt_velocity(a, b, noise_level) for a, b in zip(sigmas, sigmas_next)))
+    sigma = torch.tensor(sigmas, dtype=torch.float64)
+    sigma_next = torch.tensor(sigmas_next, dtype=torch.float64)
+    std = torch.tensor(stds, dtype=torch.float64)
+    kappa = rectification_weights(sigma, sigma_next, std, normalize=False)
+    expected = 1 / torch.tensor(grads, dtype=torch.float64)
+    torch.testing.assert_close(kappa, expected, rtol=1e-9, atol=0)
+    normalised = rectification_weights(sigma, sigma_next, std)
+    torch.testing.assert_close(normalised, expected / expected.mean(), rtol=1e-9, atol=0)
+    # Flow-GRPO: at step 0 the total std is exactly the noise level
+    assert stds[0] == pytest.approx(noise_level)
+
+
+# ---------------------------------------------------------------- KL
+
+
+def test_flow_kl_is_gaussian_kl_per_dim():
+    generator = torch.Generator().manual_seed(0)
+    shape = (3, 2, 4, 4)
+    mean = torch.randn(shape, generator=generator, dtype=torch.float64)
+    mean_ref = mean + 0.3 * torch.randn(shape, generator=generator, dtype=torch.float64)
+    std = torch.tensor([0.5, 0.1, 1.3], dtype=torch.float64)
+    kl = flow_kl(mean, mean_ref, std)
+    scale = std.view(-1, 1, 1, 1).expand(shape)
+    policy = torch.distributions.Independent(torch.distributions.Normal(mean, scale), 3)
+    reference = torch.distributions.Independent(torch.distributions.Normal(mean_ref, scale), 3)
+    expected = torch.distributions.kl_divergence(policy, reference) / (2 * 4 * 4)
+    torch.testing.assert_close(kl, expected)
+    assert flow_kl(mean, mean, std).abs().max().item() == 0.0
