@@ -1,0 +1,68 @@
+"""Model adapters: one per family, each implementing ``pipelines.base.FlowModel``.
+
+``load_model(family, path_or_hub_id, ...)`` is the one entry point the trainer and the CLIs use.
+Families map to their adapter class by dotted path, imported on first use, so listing them
+imports nothing heavy.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+
+import torch
+
+from pipelines.base import Conditioning, FlowModel
+
+# family -> "module:Class" of its adapter (each class has a ``from_pretrained`` classmethod).
+MODEL_FAMILIES: dict[str, str] = {
+    "sd3": "pipelines.sd3:SD3Model",
+    "flux": "pipelines.flux:FluxModel",
+    "wan": "pipelines.wan:WanModel",
+    "toy": "pipelines.toy:ToyFlowModel",
+}
+
+# family -> "module:Class" of its options dataclass (for CLIs that print option help texts).
+MODEL_OPTIONS: dict[str, str] = {
+    "sd3": "pipelines.sd3:SD3Options",
+    "flux": "pipelines.flux:FluxOptions",
+    "wan": "pipelines.wan:WanOptions",
+    "toy": "pipelines.toy:ToyOptions",
+}
+
+
+def _import(dotted: str) -> type:
+    module, name = dotted.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def model_class(family: str) -> type:
+    """The adapter class of ``family``."""
+    if family not in MODEL_FAMILIES:
+        raise ValueError(f"unknown model family {family!r}; known families are {sorted(MODEL_FAMILIES)}")
+    return _import(MODEL_FAMILIES[family])
+
+
+def options_class(family: str) -> type:
+    """The options dataclass of ``family``."""
+    if family not in MODEL_OPTIONS:
+        raise ValueError(f"unknown model family {family!r}; known families are {sorted(MODEL_OPTIONS)}")
+    return _import(MODEL_OPTIONS[family])
+
+
+def load_model(family: str, path_or_hub_id: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
+               device: str | torch.device = "cpu", options: dict | None = None) -> FlowModel:
+    """Load a ``family`` model from a local diffusers folder or a hub id.
+
+    ``dtype`` is the transformer's compute dtype (text encoders and VAE follow it unless the
+    options say otherwise); ``options`` are the family's options dataclass fields as a dict
+    (e.g. ``{"height": 512, "width": 512}`` for "sd3"); unknown keys raise ValueError naming the
+    valid ones. Everything is validated before any weights are read.
+    """
+    cls = model_class(family)
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype (got {dtype!r})")
+    return cls.from_pretrained(os.fspath(path_or_hub_id), dtype=dtype, device=device, options=options)
+
+
+__all__ = ["Conditioning", "FlowModel", "MODEL_FAMILIES", "MODEL_OPTIONS", "load_model", "model_class",
+           "options_class"]

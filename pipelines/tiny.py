@@ -1,0 +1,271 @@
+"""Tiny random versions of each model family, written to disk in the stock diffusers layout.
+
+``save_tiny(family, directory)`` builds every component of the family's diffusers pipeline from
+small configs (random weights, seeded), saves them with ``save_pretrained`` next to a
+``model_index.json``, and returns the folder. The folder loads through the same code as the real
+checkpoints: the adapter's ``from_pretrained`` and the diffusers pipeline class's own
+``from_pretrained``. Nothing is downloaded: the tokenizers are built from small vocabularies
+written here (a character-level byte BPE for CLIP, a character-level Unigram for T5/UMT5).
+
+Sizes are chosen so that one transformer forward takes milliseconds on a CPU while keeping the
+structure that the adapters depend on:
+
+- the VAE downsamples 8x (4 ``block_out_channels``) like the real ones;
+- text-encoder widths feed the transformer without truncation (SD3: CLIP-L + CLIP-G widths sum
+  to the T5 width = ``joint_attention_dim``; pooled widths sum to ``pooled_projection_dim``);
+- SD3 keeps a dual-attention block and RMS q/k norm (as SD3.5-Medium), FLUX keeps double and
+  single blocks and the guidance embedding (as FLUX.1-dev), Wan keeps the 4x temporal / 8x spatial
+  causal VAE and the UniPC flow scheduler config of Wan2.1-T2V-1.3B.
+"""
+from __future__ import annotations
+
+import os
+import string
+
+import torch
+
+TINY_FAMILIES = ("sd3", "flux", "wan")
+
+# Sizes the tests use with the tiny folders (divisible by 16 = VAE factor 8 x patch size 2).
+TINY_HEIGHT = 32
+TINY_WIDTH = 32
+TINY_NUM_FRAMES = 5
+
+
+def _byte_to_unicode() -> dict[int, str]:
+    """The byte-level BPE alphabet: printable Latin-1 bytes map to themselves, the other bytes to
+    code points from 256 upwards, so every byte has a visible, distinct character."""
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("\xa1"), ord("\xac") + 1))
+        + list(range(ord("\xae"), ord("\xff") + 1))
+    )
+    table: dict[int, str] = {}
+    next_code = 256
+    for byte in range(256):
+        if byte in printable:
+            table[byte] = chr(byte)
+        else:
+            table[byte] = chr(next_code)
+            next_code += 1
+    return table
+
+
+def tiny_clip_tokenizer(model_max_length: int = 77):
+    """A CLIP tokenizer whose BPE has no merges: every character is one token (514 tokens)."""
+    from transformers import CLIPTokenizer
+
+    characters = list(_byte_to_unicode().values())
+    vocab = {"<|startoftext|>": 0, "<|endoftext|>": 1}
+    for character in characters:
+        vocab[character] = len(vocab)
+    for character in characters:
+        vocab[character + "</w>"] = len(vocab)
+    return CLIPTokenizer(vocab=vocab, merges=[], model_max_length=model_max_length)
+
+
+def tiny_t5_tokenizer(model_max_length: int = 512):
+    """A T5 (Unigram) tokenizer over single ASCII characters, with and without the word-start mark.
+    ids: <pad> 0, </s> 1, <unk> 2 as in T5/UMT5."""
+    from transformers import T5Tokenizer
+
+    pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
+    for character in string.ascii_letters + string.digits + string.punctuation:
+        pieces.append(("\u2581" + character, -3.0))
+        pieces.append((character, -4.0))
+    return T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=model_max_length)
+
+
+def _clip_text_config(tokenizer, hidden_size: int, projection_dim: int | None = None):
+    from transformers import CLIPTextConfig
+
+    return CLIPTextConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=2 * hidden_size,
+        num_hidden_layers=2,  # SD3 reads hidden_states[-2]
+        num_attention_heads=2,
+        max_position_embeddings=tokenizer.model_max_length,
+        projection_dim=projection_dim if projection_dim is not None else hidden_size,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+
+
+def _t5_config(config_class, tokenizer, d_model: int):
+    return config_class(
+        vocab_size=len(tokenizer),
+        d_model=d_model,
+        d_kv=8,
+        d_ff=2 * d_model,
+        num_layers=1,
+        num_heads=d_model // 8,
+        relative_attention_num_buckets=8,
+        relative_attention_max_distance=16,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        decoder_start_token_id=tokenizer.pad_token_id,
+    )
+
+
+def _image_vae(latent_channels: int, scaling_factor: float, shift_factor: float):
+    """AutoencoderKL with 8x downsampling and no quant convs (the SD3/FLUX VAE layout)."""
+    from diffusers import AutoencoderKL
+
+    return AutoencoderKL(
+        in_channels=3,
+        out_channels=3,
+        down_block_types=("DownEncoderBlock2D",) * 4,
+        up_block_types=("UpDecoderBlock2D",) * 4,
+        block_out_channels=(8, 8, 16, 16),
+        layers_per_block=1,
+        latent_channels=latent_channels,
+        norm_num_groups=4,
+        sample_size=TINY_HEIGHT,
+        scaling_factor=scaling_factor,
+        shift_factor=shift_factor,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+    )
+
+
+def build_tiny_sd3():
+    """StableDiffusion3Pipeline with tiny random components (SD3.5-Medium layout)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
+    from transformers import CLIPTextModelWithProjection, T5Config, T5EncoderModel
+
+    clip_l_width, clip_g_width = 16, 24
+    t5_width = 48  # >= clip_l_width + clip_g_width: the CLIP embeddings are zero-padded to it
+    tokenizer, tokenizer_2, tokenizer_3 = tiny_clip_tokenizer(), tiny_clip_tokenizer(), tiny_t5_tokenizer()
+    transformer = SD3Transformer2DModel(
+        sample_size=TINY_HEIGHT // 8,
+        patch_size=2,
+        in_channels=16,
+        num_layers=2,
+        attention_head_dim=8,
+        num_attention_heads=2,
+        joint_attention_dim=t5_width,
+        caption_projection_dim=16,  # = num_attention_heads * attention_head_dim
+        pooled_projection_dim=clip_l_width + clip_g_width,
+        out_channels=16,
+        pos_embed_max_size=16,
+        dual_attention_layers=(0,),
+        qk_norm="rms_norm",
+    )
+    return StableDiffusion3Pipeline(
+        transformer=transformer,
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0),
+        vae=_image_vae(latent_channels=16, scaling_factor=1.5305, shift_factor=0.0609),
+        text_encoder=CLIPTextModelWithProjection(_clip_text_config(tokenizer, clip_l_width)),
+        tokenizer=tokenizer,
+        text_encoder_2=CLIPTextModelWithProjection(_clip_text_config(tokenizer_2, clip_g_width)),
+        tokenizer_2=tokenizer_2,
+        text_encoder_3=T5EncoderModel(_t5_config(T5Config, tokenizer_3, t5_width)),
+        tokenizer_3=tokenizer_3,
+    )
+
+
+def build_tiny_flux():
+    """FluxPipeline with tiny random components (FLUX.1-dev layout: guidance embedding on)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline, FluxTransformer2DModel
+    from transformers import CLIPTextModel, T5Config, T5EncoderModel
+
+    clip_width, t5_width = 16, 32
+    tokenizer, tokenizer_2 = tiny_clip_tokenizer(), tiny_t5_tokenizer()
+    transformer = FluxTransformer2DModel(
+        patch_size=1,
+        in_channels=64,  # 16 latent channels packed 2x2
+        num_layers=1,
+        num_single_layers=2,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=t5_width,
+        pooled_projection_dim=clip_width,
+        guidance_embeds=True,
+        axes_dims_rope=(4, 6, 6),
+    )
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        shift=3.0,
+        use_dynamic_shifting=True,
+        base_shift=0.5,
+        max_shift=1.15,
+        base_image_seq_len=256,
+        max_image_seq_len=4096,
+    )
+    return FluxPipeline(
+        scheduler=scheduler,
+        vae=_image_vae(latent_channels=16, scaling_factor=0.3611, shift_factor=0.1159),
+        text_encoder=CLIPTextModel(_clip_text_config(tokenizer, clip_width)),
+        tokenizer=tokenizer,
+        text_encoder_2=T5EncoderModel(_t5_config(T5Config, tokenizer_2, t5_width)),
+        tokenizer_2=tokenizer_2,
+        transformer=transformer,
+    )
+
+
+def build_tiny_wan():
+    """WanPipeline with tiny random components (Wan2.1-T2V layout, UniPC flow scheduler config)."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    umt5_width = 32
+    tokenizer = tiny_t5_tokenizer()
+    transformer = WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=2,
+        attention_head_dim=12,
+        in_channels=16,
+        out_channels=16,
+        text_dim=umt5_width,
+        freq_dim=32,
+        ffn_dim=32,
+        num_layers=2,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        rope_max_seq_len=32,
+    )
+    vae = AutoencoderKLWan(
+        base_dim=4,
+        z_dim=16,
+        dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+    )
+    scheduler = UniPCMultistepScheduler(
+        prediction_type="flow_prediction",
+        use_flow_sigmas=True,
+        flow_shift=3.0,
+        num_train_timesteps=1000,
+    )
+    return WanPipeline(
+        tokenizer=tokenizer,
+        text_encoder=UMT5EncoderModel(_t5_config(UMT5Config, tokenizer, umt5_width)),
+        vae=vae,
+        scheduler=scheduler,
+        transformer=transformer,
+    )
+
+
+_BUILDERS = {"sd3": build_tiny_sd3, "flux": build_tiny_flux, "wan": build_tiny_wan}
+
+
+def build_tiny(family: str, seed: int = 0):
+    """The tiny stock diffusers pipeline of ``family`` with weights drawn from ``seed``.
+    The global RNG state is left as it was."""
+    if family not in _BUILDERS:
+        raise ValueError(f"family must be one of {sorted(_BUILDERS)} (got {family!r})")
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        pipeline = _BUILDERS[family]()
+    return pipeline
+
+
+def save_tiny(family: str, directory: str | os.PathLike, seed: int = 0) -> str:
+    """Write a tiny random ``family`` pipeline folder (model_index.json, one subfolder per component:
+    weights, configs, scheduler and tokenizers) to ``directory`` and return its path."""
+    pipeline = build_tiny(family, seed=seed)
+    directory = os.fspath(directory)
+    os.makedirs(directory, exist_ok=True)
+    pipeline.save_pretrained(directory)
+    return directory
