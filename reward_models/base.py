@@ -3,11 +3,23 @@
 A reward maps media to one float per sample; NaN means "no score" and is masked downstream.
 Rewards that produce several named scores (e.g. the toy verifier's exact verdict and partial
 credit) also implement ``components``; ``MultiReward`` logs each component separately.
+
+Optional attributes a reward class may define (all read with ``getattr``, none required):
+
+- ``components(media, prompts, metadata) -> dict[str, Tensor]``: several named (B,) scores;
+  ``__call__`` then returns the main one.
+- ``main_component: str``: which key of ``components`` equals ``__call__``'s result, so that a
+  caller needing both runs the model once.
+- ``score_and_components(media, prompts, metadata) -> (Tensor, dict[str, Tensor])``: both at once
+  (the remote client has this: one HTTP request returns both).
+- ``video_native: bool``: the reward scores videos (B, F, 3, H, W) itself; otherwise
+  ``load_reward`` scores each frame as an image and aggregates.
 """
 from __future__ import annotations
 
 from typing import Callable, Protocol, runtime_checkable
 
+import torch
 from torch import Tensor
 
 
@@ -21,7 +33,19 @@ class RewardModel(Protocol):
 
 
 # name -> "module:Class". Lazy strings so that listing names imports nothing heavy.
-REGISTRY: dict[str, str] = {}
+REGISTRY: dict[str, str] = {
+    "aesthetic": "reward_models.aesthetic:AestheticReward",
+    "clip_score": "reward_models.clip_score:ClipScoreReward",
+    "pickscore": "reward_models.pickscore:PickScoreReward",
+    "ocr": "reward_models.ocr:OcrReward",
+    "jpeg_compressibility": "reward_models.jpeg:JpegCompressibilityReward",
+    "jpeg_incompressibility": "reward_models.jpeg:JpegIncompressibilityReward",
+    "hpsv2": "reward_models.adapters:HpsV2Reward",
+    "imagereward": "reward_models.adapters:ImageRewardReward",
+    "temporal_consistency": "reward_models.temporal:TemporalConsistencyReward",
+    "remote": "reward_models.remote:RemoteReward",
+    "geneval_toy": "reward_models.shapes:GenevalToyReward",
+}
 
 
 def register_reward(name: str) -> Callable[[type], type]:
@@ -34,3 +58,37 @@ def register_reward(name: str) -> Callable[[type], type]:
         return cls
 
     return wrap
+
+
+def score_with_components(reward, media: Tensor, prompts: list[str],
+                          metadata: list[dict]) -> tuple[Tensor, dict[str, Tensor]]:
+    """The main score (B,) and the named components {key: (B,)} of any reward, running its model
+    once where the reward says how (``score_and_components`` or ``main_component``).
+    Rewards without ``components`` return an empty dict."""
+    both = getattr(reward, "score_and_components", None)
+    if callable(both):
+        main, parts = both(media, prompts, metadata)
+        return main, dict(parts)
+    components = getattr(reward, "components", None)
+    if not callable(components):
+        return reward(media, prompts, metadata), {}
+    parts = dict(components(media, prompts, metadata))
+    main_key = getattr(reward, "main_component", None)
+    if main_key is not None:
+        if main_key not in parts:
+            raise ValueError(f"reward {getattr(reward, 'name', reward)!r}: main_component "
+                             f"{main_key!r} is not among its components {sorted(parts)}")
+        return parts[main_key], parts
+    return reward(media, prompts, metadata), parts
+
+
+def as_score_vector(values, batch: int, reward_name: str) -> Tensor:
+    """Coerce a reward's output (tensor, array or list) to a (batch,) float32 CPU tensor, or raise
+    a ValueError naming the reward when the shape is wrong."""
+    scores = torch.as_tensor(values).detach().to(device="cpu", dtype=torch.float32)
+    if scores.ndim == 2 and scores.shape[1] == 1:
+        scores = scores[:, 0]
+    if scores.shape != (batch,):
+        raise ValueError(f"reward {reward_name!r} returned shape {tuple(scores.shape)}; "
+                         f"expected ({batch},), one score per sample")
+    return scores

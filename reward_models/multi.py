@@ -1,0 +1,97 @@
+"""Several rewards at once: every component for logging and GDPO, and their weighted sum.
+
+Output keys: ``<key>`` for each reward's main score, where ``<key>`` is the spec's ``label`` or
+else the reward's name (its class's ``name`` attribute, else the registered name, else the class
+name for a ``"module:Class"`` path); ``<key>.<component>`` for each named component of rewards that have
+``components`` (logged only: not weighted, not in ``weights``); ``"total"`` = sum over rewards of
+``weight * main score`` (rewards with weight 0 are left out), NaN for a sample where any weighted
+score is NaN.
+
+``aggregation`` tells the trainer how to turn this into advantages:
+``"weighted_sum"``: group-normalise ``"total"``; ``"decoupled"`` (GDPO): normalise each key of
+``weights`` separately and combine with those weights (flowgrpo.advantages.decoupled_advantages).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from .base import score_with_components
+from .loading import ManagedReward, _split_spec, load_reward
+
+AGGREGATIONS = ("weighted_sum", "decoupled")
+TOTAL_KEY = "total"
+
+
+class MultiReward:
+    """``MultiReward([{"name": "ocr", "weight": 1.0}, {"name": "aesthetic", "weight": 0.1}])``.
+
+    Each spec is what ``load_reward`` takes plus ``weight`` (float, default 1.0) and ``label``
+    (the output key, default the name; needed when one reward appears twice)."""
+
+    def __init__(self, specs: list[dict | str], aggregation: str = "weighted_sum", *,
+                 device: str | torch.device = "cpu", dtype: torch.dtype | str = torch.float32):
+        if aggregation not in AGGREGATIONS:
+            raise ValueError(f"aggregation must be one of {AGGREGATIONS} (got {aggregation!r})")
+        if isinstance(specs, (str, dict)) or not specs:
+            raise ValueError("MultiReward needs a non-empty list of reward specs")
+        self.aggregation = aggregation
+        self.rewards: dict[str, ManagedReward] = {}
+        self._weights: dict[str, float] = {}
+        for spec in specs:
+            name, options = _split_spec(spec)
+            weight = options.get("weight", 1.0)
+            if not isinstance(weight, (int, float)) or isinstance(weight, bool) \
+                    or not math.isfinite(weight):
+                raise ValueError(f"reward {name!r}: weight must be a finite number "
+                                 f"(got {weight!r})")
+            reward = load_reward(spec, device=device, dtype=dtype)
+            key = options.get("label", reward.name)
+            if not isinstance(key, str) or not key or "." in key or key == TOTAL_KEY:
+                raise ValueError(f"reward key {key!r} must be a non-empty string without '.' "
+                                 f"and not {TOTAL_KEY!r}; set 'label' in the spec")
+            if key in self.rewards:
+                raise ValueError(f"reward {key!r} appears twice; give each a distinct 'label'")
+            self.rewards[key] = reward
+            self._weights[key] = float(weight)
+
+    @classmethod
+    def from_config(cls, specs: list[dict | str], aggregation: str = "weighted_sum", *,
+                    device: str | torch.device = "cpu",
+                    dtype: torch.dtype | str = torch.float32) -> "MultiReward":
+        """From a config's list of specs (e.g. YAML ``rewards: [{name: ocr, weight: 1}]``)."""
+        return cls(list(specs), aggregation, device=device, dtype=dtype)
+
+    @property
+    def weights(self) -> dict[str, float]:
+        """Main-score key -> weight, the inputs of the weighted sum and of GDPO advantages."""
+        return dict(self._weights)
+
+    @property
+    def name(self) -> str:
+        return "+".join(self.rewards)
+
+    def __call__(self, media: Tensor, prompts: list[str],
+                 metadata: list[dict] | None = None) -> dict[str, Tensor]:
+        """Every reward's main score and components, and ``"total"``; each (B,) float32 CPU."""
+        out: dict[str, Tensor] = {}
+        for key, reward in self.rewards.items():
+            main, parts = score_with_components(reward, media, prompts, metadata)
+            out[key] = main
+            for part, values in parts.items():
+                out[f"{key}.{part}"] = values
+        out[TOTAL_KEY] = weighted_total({k: out[k] for k in self._weights}, self._weights)
+        return out
+
+
+def weighted_total(scores: dict[str, Tensor], weights: dict[str, float]) -> Tensor:
+    """sum_k w_k * scores[k] over keys with w_k != 0; each (B,) -> (B,). NaN propagates from any
+    weighted score; zero-weight scores are skipped so that their NaN does not."""
+    keys = [k for k, w in weights.items() if w != 0.0]
+    reference = next(iter(scores.values()))
+    total = torch.zeros_like(reference, dtype=torch.float32)
+    for key in keys:
+        total = total + weights[key] * scores[key].float()
+    return total
