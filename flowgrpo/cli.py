@@ -65,11 +65,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if not getattr(args, "handler", None):
+    handler = getattr(args, "handler", None) or getattr(args, "func", None)
+    if handler is None:
         parser.print_help()
         return 0
     try:
-        return int(args.handler(args) or 0)
+        return int(handler(args) or 0)
     except (ValueError, FileNotFoundError, ImportError) as err:
         print(f"flowgrpo {args.command}: error: {err}", file=sys.stderr)
         return 2
