@@ -396,6 +396,9 @@ def validate(config: TrainConfig, num_processes: int = 1) -> None:
                           "group_size >= 2 (GRPO needs several samples per prompt)")
     _positive(t.lr, "training.lr")
     _positive(t.clip_low, "training.clip_low")
+    if t.clip_low > 1:
+        raise ConfigError(f"training.clip_low must be <= 1 so that 1 - clip_low >= 0 "
+                          f"(got {t.clip_low})")
     if t.clip_high is not None:
         _positive(t.clip_high, "training.clip_high")
     _positive(t.kl_beta, "training.kl_beta", allow_zero=True)
