@@ -1,0 +1,358 @@
+"""Trainer overhead: wall time of a training iteration / the model's own compute it needed.
+
+    python benchmarks/overhead.py [--iterations 2] [--size 32] [--steps 10] [--profile PLAN]
+
+For each plan (full, window, window + DPM-Solver++ compression, branch, one_step) the real
+``Trainer`` runs one warm-up iteration and then ``--iterations`` measured ones on the tiny SD3
+build (and on the toy model when ``assets/toy`` exists). The model's own compute is measured in
+the same run, without editing the trainer:
+
+- transformer forward: forward pre/post hooks on ``model.transformer``;
+- transformer backward: ``replay_loss`` is overridden to pass its loss through an identity
+  autograd function whose backward starts a clock and queues an end-of-backward callback, so
+  exactly the autograd pass of ``loss.backward()`` is timed;
+- VAE decode and prompt encoding: ``model.decode`` / ``model.encode_prompts`` wrapped;
+- rewards: the reward classes' own ``__call__`` / ``components`` wrapped inside ``MultiReward``.
+
+Phases (rewards scored synchronously, ``rewards.threaded=false``, so phases do not overlap):
+rollout = trainer's ``time/rollout`` minus the reward scoring inside it; reward = scoring time;
+update = ``time/update`` (replay forwards, backwards, optimiser steps). "total" is the whole
+``run_iteration`` wall time (advantages included) over all model compute. The target is a ratio
+<= 1.10 at these CPU sizes; the table prints where it is above.
+
+The overhead (wall - model) is broken down by timing, the same way, what the loop calls besides
+the model: "maths" = the SDE transitions / DPM steps / policy loss (``flowgrpo.rollout.transition``,
+``dpmpp_2m_step``, ``flowgrpo.trainer.policy_loss``, ``guard_log_ratio``, ``flow_kl``), "noise" =
+per-sample seeded noise (``step_noise``, ``initial_noise``), "cond" = ``encode_prompts`` minus the
+text encoders' own forward (the prompt-cache lookups), "adapt" = ``model.velocity`` minus the
+transformer forward (the adapter's own tensor handling), "optim" = ``optimizer_step``; "rest" is
+everything else (loop bookkeeping, stats, hooks).
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from flowgrpo.config import load_config  # noqa: E402
+from flowgrpo.trainer import Trainer  # noqa: E402
+
+PLANS: dict[str, dict] = {
+    "full": {"kind": "full"},
+    "window": {"kind": "window", "window_size": 4},
+    "window+dpm": {"kind": "window", "window_size": 4, "solver_after": "dpmpp_2m",
+                   "compress_ratio": 0.4},
+    "branch": {"kind": "branch", "window_size": 2},
+    "one_step": {"kind": "one_step"},
+}
+PHASES = ("rollout", "reward", "update")
+MODEL_KINDS = ("forward", "backward", "decode", "encode", "reward")
+
+
+class ModelClock:
+    """Seconds of the model's own compute, by (phase, what), and call counts."""
+
+    def __init__(self) -> None:
+        self.phase = "rollout"
+        self.seconds: dict[tuple[str, str], float] = defaultdict(float)
+        self.calls: dict[tuple[str, str], int] = defaultdict(int)
+
+    def add(self, what: str, seconds: float, phase: str | None = None) -> None:
+        key = (phase or self.phase, what)
+        self.seconds[key] += seconds
+        self.calls[key] += 1
+
+    def total(self, phase: str | None = None, kinds: tuple[str, ...] = MODEL_KINDS) -> float:
+        """Seconds of ``kinds`` (default: the model's own compute) in ``phase`` (None = all)."""
+        return sum(s for (p, k), s in self.seconds.items()
+                   if (phase is None or p == phase) and k in kinds)
+
+    def reset(self) -> None:
+        self.seconds.clear()
+        self.calls.clear()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(function, clock: ModelClock, what: str, device: torch.device, phase: str | None = None):
+    def wrapper(*args, **kwargs):
+        _sync(device)
+        began = time.perf_counter()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            _sync(device)
+            clock.add(what, time.perf_counter() - began, phase)
+
+    return wrapper
+
+
+class TimedReward:
+    """Forwards to a reward class, timing its scoring methods (phase "reward")."""
+
+    SCORING = ("components", "score_and_components")
+
+    def __init__(self, inner, clock: ModelClock, device: torch.device) -> None:
+        self._inner = inner
+        self._clock = clock
+        self._device = device
+
+    def __call__(self, *args, **kwargs):
+        return _timed(self._inner, self._clock, "reward", self._device, "reward")(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        value = getattr(self._inner, name)
+        if name in self.SCORING and callable(value):
+            return _timed(value, self._clock, "reward", self._device, "reward")
+        return value
+
+
+class _TimedBackward(torch.autograd.Function):
+    """Identity whose backward (the first node the autograd pass runs) starts a clock and queues
+    a callback that stops it when the whole pass has finished."""
+
+    @staticmethod
+    def forward(ctx, loss, clock, device):
+        ctx.clock, ctx.device = clock, device
+        return loss.view_as(loss)
+
+    @staticmethod
+    def backward(ctx, grad):
+        from torch.autograd import Variable
+
+        _sync(ctx.device)
+        began = time.perf_counter()
+
+        def stop() -> None:
+            _sync(ctx.device)
+            ctx.clock.add("backward", time.perf_counter() - began)
+
+        Variable._execution_engine.queue_callback(stop)
+        return grad, None, None
+
+
+def text_encoders(model) -> list[torch.nn.Module]:
+    """The text encoders of a FlowModel: ``text_encoder*`` attributes or components."""
+    found = [m for name, m in vars(model).items() if name.startswith("text_encoder")]
+    found += [m for name, m in (getattr(model, "components", None) or {}).items()
+              if name.startswith("text_encoder")]
+    return [m for m in found if isinstance(m, torch.nn.Module)]
+
+
+@contextmanager
+def timed_functions(clock: ModelClock, device: torch.device) -> Iterator[None]:
+    """Time the loop's non-model callees (see the module docstring) by patching the names the
+    rollout and the trainer look up; restored on exit."""
+    import flowgrpo.rollout as rollout_module
+    import flowgrpo.trainer as trainer_module
+
+    targets = [(rollout_module, "transition", "maths"), (rollout_module, "dpmpp_2m_step", "maths"),
+               (trainer_module, "policy_loss", "maths"), (trainer_module, "guard_log_ratio", "maths"),
+               (trainer_module, "flow_kl", "maths"), (rollout_module, "step_noise", "noise"),
+               (rollout_module, "initial_noise", "noise")]
+    saved = [(module, name, getattr(module, name)) for module, name, _ in targets]
+    for module, name, kind in targets:
+        setattr(module, name, _timed(getattr(module, name), clock, kind, device))
+    try:
+        yield
+    finally:
+        for module, name, function in saved:
+            setattr(module, name, function)
+
+
+class TimedTrainer(Trainer):
+    """The Trainer with the model's own compute timed (see the module docstring)."""
+
+    def __init__(self, config, clock: ModelClock) -> None:
+        self.clock = clock
+        super().__init__(config)
+
+    def load_policy(self) -> None:
+        super().load_policy()
+        device = torch.device(self.model.device)
+        transformer = self.model.transformer
+        starts: list[float] = []
+
+        def pre_hook(module, args, kwargs=None):
+            _sync(device)
+            starts.append(time.perf_counter())
+
+        def post_hook(module, args, output):
+            _sync(device)
+            self.clock.add("forward", time.perf_counter() - starts.pop())
+
+        transformer.register_forward_pre_hook(pre_hook)
+        transformer.register_forward_hook(post_hook)
+        for encoder in text_encoders(self.model):
+            encoder.forward = _timed(encoder.forward, self.clock, "encode", device)
+        self.model.decode = _timed(self.model.decode, self.clock, "decode", device)
+        self.model.velocity = _timed(self.model.velocity, self.clock, "velocity", device)
+        self.model.encode_prompts = _timed(self.model.encode_prompts, self.clock, "cond", device)
+
+    def load_rewards(self):
+        reward = super().load_rewards()
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        for managed in reward.rewards.values():
+            managed.inner = TimedReward(managed.inner, self.clock, device)
+        return reward
+
+    def rollout_and_score(self, iteration: int):
+        self.clock.phase = "rollout"
+        return super().rollout_and_score(iteration)
+
+    def update(self, batch, advantages, iteration):
+        self.clock.phase = "update"
+        return super().update(batch, advantages, iteration)
+
+    def replay_loss(self, *args, **kwargs):
+        loss, stats = super().replay_loss(*args, **kwargs)
+        return _TimedBackward.apply(loss, self.clock, torch.device(self.model.device)), stats
+
+    def optimizer_step(self) -> float:
+        return _timed(super().optimizer_step, self.clock, "optim",
+                      torch.device(self.model.device))()
+
+
+def make_config(family: str, path: str, plan: dict, args: argparse.Namespace, workdir: Path):
+    (workdir / "prompts.txt").write_text("a red square\na blue circle\na green cat\na cat\n")
+    options = {"height": args.size, "width": args.size, "max_sequence_length": 16} \
+        if family == "sd3" else {}
+    reward = [{"name": "jpeg_compressibility"}] if family == "sd3" else \
+        [{"name": "geneval_toy"}]
+    data = {
+        "name": f"overhead_{family}",
+        "model": {"family": family, "path": path, "options": options,
+                  "lora": {"rank": 4, "alpha": 8}},
+        "prompts": {"train": "toy:train" if family == "toy" else str(workdir / "prompts.txt"),
+                    "eval": None},
+        "sampling": {"num_steps": args.steps, "rollout_batch_size": args.group_size,
+                     "plan": plan},
+        "training": {"prompts_per_iteration": args.prompts, "group_size": args.group_size,
+                     "skip_zero_std_groups": False},
+        "rewards": {"components": reward, "threaded": False},
+        "run": {"output_dir": str(workdir / "runs"), "tracker": "none", "progress": False,
+                "num_threads": args.threads, "max_iterations": 1 + args.iterations},
+    }
+    return load_config(data=data)
+
+
+def measure(family: str, path: str, plan_name: str, args: argparse.Namespace, workdir: Path) -> dict:
+    """Wall and model seconds per phase over ``args.iterations`` iterations (after a warm-up)."""
+    clock = ModelClock()
+    trainer = TimedTrainer(make_config(family, path, PLANS[plan_name], args, workdir), clock)
+    wall = defaultdict(float)
+    with timed_functions(clock, torch.device(trainer.model.device)):
+        trainer.run_iteration(0)                              # warm-up: encodes prompts, allocs
+        clock.reset()
+        for iteration in range(1, 1 + args.iterations):
+            began = time.perf_counter()
+            metrics = trainer.run_iteration(iteration)
+            wall["total"] += time.perf_counter() - began
+            wall["rollout"] += metrics["time/rollout"] - metrics["time/reward_compute"]
+            wall["reward"] += metrics["time/reward_compute"] + metrics["time/reward_wait"]
+            wall["update"] += metrics["time/update"]
+    return {"wall": dict(wall), "clock": clock, "nfe": metrics["nfe"],
+            "trained": metrics["trained_transitions"]}
+
+
+def print_table(rows: list[tuple[str, str, dict]], target: float) -> None:
+    """One line per (model, plan, phase): wall and model ms, their ratio, and the overhead split
+    into maths / noise / cond / optim / rest (ms)."""
+    header = (f"{'model':<5} {'plan':<10} {'phase':<7} {'wall':>7} {'model':>7} {'ratio':>6} "
+              f"{'over':>6} | {'maths':>6} {'noise':>6} {'cond':>6} {'adapt':>6} {'optim':>6} "
+              f"{'rest':>6}  calls")
+    print(header)
+    print("-" * len(header))
+    for family, plan, result in rows:
+        clock: ModelClock = result["clock"]
+        for phase in PHASES + ("total",):
+            which = None if phase == "total" else phase
+            wall = result["wall"][phase] * 1e3
+            model = clock.total(which) * 1e3
+            parts = {kind: clock.total(which, (kind,)) * 1e3
+                     for kind in ("maths", "noise", "cond", "velocity", "optim")}
+            parts["cond"] -= clock.total(which, ("encode",)) * 1e3   # encoders are model time
+            parts["velocity"] -= clock.total(which, ("forward",)) * 1e3
+            rest = wall - model - sum(parts.values())
+            ratio = wall / model if model > 0 else float("inf")
+            calls = {"rollout": f"fwd {clock.calls[('rollout', 'forward')]}",
+                     "reward": f"reward {clock.calls[('reward', 'reward')]}",
+                     "update": f"fwd {clock.calls[('update', 'forward')]} "
+                               f"bwd {clock.calls[('update', 'backward')]}",
+                     "total": f"nfe {result['nfe']}, trained {result['trained']}"}[phase]
+            flag = "  <-- above target" if ratio > target else ""
+            print(f"{family:<5} {plan:<10} {phase:<7} {wall:>7.1f} {model:>7.1f} {ratio:>6.3f} "
+                  f"{wall - model:>6.1f} | {parts['maths']:>6.1f} {parts['noise']:>6.1f} "
+                  f"{parts['cond']:>6.1f} {parts['velocity']:>6.1f} {parts['optim']:>6.1f} {rest:>6.1f}  "
+                  f"{calls}{flag}")
+    print("ms summed over the measured iterations; over = wall - model = maths + noise + cond + "
+          "adapt + optim + rest")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--iterations", type=int, default=2, help="measured iterations per plan")
+    parser.add_argument("--size", type=int, default=32, help="SD3 image side (multiple of 16)")
+    parser.add_argument("--steps", type=int, default=10, help="denoising steps per rollout")
+    parser.add_argument("--group-size", type=int, default=4)
+    parser.add_argument("--prompts", type=int, default=2, help="prompts (groups) per iteration")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--plans", default=",".join(PLANS), help="comma-separated plan names")
+    parser.add_argument("--target", type=float, default=1.10)
+    parser.add_argument("--profile", default=None, metavar="PLAN",
+                        help="also cProfile one iteration of PLAN (SD3) and print the top entries")
+    args = parser.parse_args(argv)
+    plans = [p for p in args.plans.split(",") if p]
+    unknown = [p for p in plans if p not in PLANS]
+    if unknown:
+        parser.error(f"unknown plans {unknown}; choose from {list(PLANS)}")
+
+    from diffusers.utils import logging as diffusers_logging
+
+    from pipelines.tiny import save_tiny
+
+    diffusers_logging.disable_progress_bar()
+    repo = Path(__file__).resolve().parent.parent
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(tmp)
+        models = [("sd3", save_tiny("sd3", workdir / "tiny_sd3"))]
+        toy = repo / "assets" / "toy"
+        if (toy / "transformer").is_dir():
+            models.append(("toy", str(toy)))
+        rows = []
+        for family, path in models:
+            for plan in plans:
+                rows.append((family, plan, measure(family, path, plan, args, workdir)))
+        print(f"one iteration = {args.prompts} prompts x {args.group_size} samples, "
+              f"{args.steps} steps, {args.size} px (SD3), LoRA r4, {args.threads} thread(s); "
+              f"sums over {args.iterations} iteration(s) after a warm-up")
+        print_table(rows, args.target)
+        if args.profile:
+            trainer = TimedTrainer(make_config("sd3", models[0][1], PLANS[args.profile], args,
+                                               workdir), ModelClock())
+            trainer.run_iteration(0)
+            profiler = cProfile.Profile()
+            profiler.enable()
+            trainer.run_iteration(1)
+            profiler.disable()
+            stats = pstats.Stats(profiler).strip_dirs().sort_stats("tottime")
+            stats.print_stats(30)
+
+
+if __name__ == "__main__":
+    main()
