@@ -69,6 +69,9 @@ class PromptsConfig:
                        "file of {prompt, metadata}.", default="toy:train")
     eval: str | None = _help("Held-out prompts for evaluation (same formats); None disables eval.",
                              default="toy:heldout")
+    balance_key: str | None = _help(
+        "Sample training prompts uniformly over the values of metadata[balance_key] (e.g. "
+        "'family') instead of uniformly over prompts; None = uniform over prompts.", default=None)
     num_eval: int = _help("Number of held-out prompts per evaluation (0 = all).", default=0)
     eval_seeds: int = _help("Samples per held-out prompt at evaluation.", default=1)
 

@@ -41,10 +41,26 @@ def load_prompts(source: str) -> list[dict]:
     return records
 
 
-def sample_groups(records: list[dict], num_groups: int, seed: int, iteration: int) -> list[dict]:
+def sample_groups(records: list[dict], num_groups: int, seed: int, iteration: int,
+                  balance_key: str | None = None) -> list[dict]:
     """The ``num_groups`` prompts of one iteration: a deterministic function of (seed, iteration).
-    Draws without replacement within an iteration while there are enough prompts."""
+
+    Without ``balance_key``: draws without replacement within an iteration while there are enough
+    prompts. With it (e.g. "family"): each group first draws a value of ``metadata[balance_key]``
+    uniformly, then a prompt of that value, so a rare task family is trained as often as a common
+    one (GenEval's prompt set is dominated by one family).
+    """
     generator = seeded_generator(seed, iteration, "prompts")
+    if balance_key:
+        buckets: dict[str, list[dict]] = {}
+        for record in records:
+            buckets.setdefault(str(record["metadata"].get(balance_key)), []).append(record)
+        keys = sorted(buckets)
+        picks = []
+        for _ in range(num_groups):
+            bucket = buckets[keys[int(torch.randint(len(keys), (1,), generator=generator))]]
+            picks.append(bucket[int(torch.randint(len(bucket), (1,), generator=generator))])
+        return picks
     order = torch.randperm(len(records), generator=generator).tolist()
     while len(order) < num_groups:
         order += torch.randperm(len(records), generator=generator).tolist()

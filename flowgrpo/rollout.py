@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from flowgrpo.plans import StepPlan
-from flowgrpo.sde import dpmpp_2m_step, transition
+from flowgrpo.sde import dpmpp_2m_step, euler_step, transition
 from pipelines.base import Conditioning, FlowModel
 
 
@@ -129,7 +129,7 @@ def run_plan(model: FlowModel, plan: StepPlan, latents: Tensor, cond: Conditioni
         if i in stochastic:
             noise = step_noise(tuple(x.shape[1:]), sample_ids, i, settings).to(device)
             out = transition(settings.kind, velocity, x, sigma, sigma_next,
-                             noise_level=settings.noise_level, noise=noise)
+                             noise_level=settings.noise_level, noise=noise, validate=False)
             if i in trained:
                 replay.append(ReplayBatch(rows=rows, step=i, latents=x, next_latents=out.prev_sample,
                                           sigmas=sigma, sigmas_next=sigma_next,
@@ -140,7 +140,7 @@ def run_plan(model: FlowModel, plan: StepPlan, latents: Tensor, cond: Conditioni
                                   prev_sigma=prev_sigma, final=i == plan.num_steps - 1)
             prev_x0, prev_sigma = x0, sigma
         else:
-            x = transition("ode", velocity, x, sigma, sigma_next).prev_sample
+            x = euler_step(x, velocity, sigma, sigma_next)
     return x, replay, calls
 
 
@@ -215,7 +215,7 @@ def replay_logp(model: FlowModel, replay: ReplayBatch, cond: Conditioning, setti
     out = transition(settings.kind, velocity.to(torch.float32), replay.latents, replay.sigmas,
                      replay.sigmas_next,
                      noise_level=settings.noise_level if noise_level is None else noise_level,
-                     prev_sample=replay.next_latents)
+                     prev_sample=replay.next_latents, validate=False)
     return out.log_prob, out.mean
 
 
@@ -234,6 +234,6 @@ def sample_ode(model: FlowModel, prompts: list[str], noise: Tensor, num_steps: i
             sigma_next = sigmas[i + 1].expand(b).to(model.device, torch.float32)
             velocity = model.velocity(x.to(model.dtype), sigma, cond,
                                       guidance_scale).to(torch.float32)
-            x = transition("ode", velocity, x, sigma, sigma_next).prev_sample
+            x = euler_step(x, velocity, sigma, sigma_next)
         out.append(model.decode(x.to(model.device, model.dtype)).to(torch.float32).cpu())
     return torch.cat(out)

@@ -110,7 +110,8 @@ def _check_velocity_shape(velocity: Tensor, sample: Tensor) -> None:
                          f"shape {tuple(sample.shape)}")
 
 
-def _per_sample(value: float | Tensor, name: str, batch: int, device: torch.device) -> Tensor:
+def _per_sample(value: float | Tensor, name: str, batch: int, device: torch.device,
+                check_finite: bool = True) -> Tensor:
     """A python float, a 0-d / (1,) tensor or a (B,) tensor -> (B,) float32 on ``device``."""
     if isinstance(value, bool) or not isinstance(value, (int, float, Tensor)):
         raise TypeError(f"{name} must be a float or a tensor of shape ({batch},) "
@@ -121,7 +122,7 @@ def _per_sample(value: float | Tensor, name: str, batch: int, device: torch.devi
     elif tuple(values.shape) != (batch,):
         raise ValueError(f"{name} must be a scalar or have shape ({batch},) to match the batch of "
                          f"sample (got shape {tuple(values.shape)})")
-    if not bool(torch.isfinite(values).all()):
+    if check_finite and not bool(torch.isfinite(values).all()):
         raise ValueError(f"{name} must be finite (got {values.tolist()})")
     return values
 
@@ -205,10 +206,27 @@ def _mean_and_std(kind: str, velocity: Tensor, sample: Tensor, sigma: Tensor,
     return mean, std
 
 
+def _check_values(kind: str, sigma: Tensor, sigma_next: Tensor, level: Tensor) -> None:
+    _check_sigma_pair(sigma, sigma_next)
+    if bool((level < 0).any()):
+        raise ValueError(f"noise_level must be >= 0 (got {level.min().item():.6g})")
+    if kind == "cps" and bool((level > 1).any()):
+        raise ValueError("noise_level must be in [0, 1] for kind='cps' (it is a in "
+                         f"std = sigma_next sin(a pi/2)); got {level.max().item():.6g}")
+
+
+def euler_step(sample: Tensor, velocity: Tensor, sigma: Tensor, sigma_next: Tensor) -> Tensor:
+    """x + v (sigma_next - sigma) in float32, unchecked: the deterministic steps of a rollout.
+    sample/velocity (B, ...); sigma/sigma_next (B,). Equals ``transition("ode", ...).prev_sample``."""
+    dt = (sigma_next.to(torch.float32) - sigma.to(torch.float32)).reshape(-1, *[1] * (sample.ndim - 1))
+    return sample.to(torch.float32) + velocity.to(torch.float32) * dt
+
+
 def transition(kind: str, velocity: Tensor, sample: Tensor, sigma: float | Tensor,
                sigma_next: float | Tensor, *, noise_level: float | Tensor = 0.7,
                prev_sample: Tensor | None = None, generator: torch.Generator | None = None,
-               noise: Tensor | None = None, reduce: str = "mean") -> Transition:
+               noise: Tensor | None = None, reduce: str = "mean",
+               validate: bool = True) -> Transition:
     """One step from ``sample`` at ``sigma`` to ``sigma_next``: sample it, or score a given one.
 
     Args:
@@ -226,6 +244,9 @@ def transition(kind: str, velocity: Tensor, sample: Tensor, sigma: float | Tenso
         noise: optional pre-drawn standard normal of sample's shape, used instead of drawing;
             lets the rollout draw per-sample noise so results don't depend on batch composition.
         reduce: "mean" over non-batch dims (the anchors' convention) or "sum".
+        validate: check sigma/noise_level values (each check is a host sync on GPU). The rollout
+            passes False: its schedule and noise level were validated once, with the config.
+            Shape and kind checks always run.
 
     Returns:
         Transition with float32 prev_sample, mean, std (B,) and log_prob (B,).
@@ -241,15 +262,11 @@ def transition(kind: str, velocity: Tensor, sample: Tensor, sigma: float | Tenso
     v = _as_float32(velocity, "velocity").to(x.device)
     _check_velocity_shape(v, x)
     batch = x.shape[0]
-    sigma_t = _per_sample(sigma, "sigma", batch, x.device)
-    sigma_next_t = _per_sample(sigma_next, "sigma_next", batch, x.device)
-    _check_sigma_pair(sigma_t, sigma_next_t)
-    level = _per_sample(noise_level, "noise_level", batch, x.device)
-    if bool((level < 0).any()):
-        raise ValueError(f"noise_level must be >= 0 (got {level.min().item():.6g})")
-    if kind == "cps" and bool((level > 1).any()):
-        raise ValueError("noise_level must be in [0, 1] for kind='cps' (it is a in "
-                         f"std = sigma_next sin(a pi/2)); got {level.max().item():.6g}")
+    sigma_t = _per_sample(sigma, "sigma", batch, x.device, validate)
+    sigma_next_t = _per_sample(sigma_next, "sigma_next", batch, x.device, validate)
+    level = _per_sample(noise_level, "noise_level", batch, x.device, validate)
+    if validate:
+        _check_values(kind, sigma_t, sigma_next_t, level)
     if prev_sample is not None and noise is not None:
         raise ValueError("pass prev_sample (replay) or noise (sampling), not both")
 

@@ -169,7 +169,7 @@ class Trainer:
         Sample j of the global batch belongs to group j // group_size; a group may span processes."""
         t = self.config.training
         groups = sample_groups(self.train_records, t.prompts_per_iteration, self.config.run.seed,
-                               iteration)
+                               iteration, self.config.prompts.balance_key)
         total = t.prompts_per_iteration * t.group_size
         per_process = total // self.accelerator.num_processes
         start = self.accelerator.process_index * per_process
@@ -258,7 +258,7 @@ class Trainer:
         per_step = t.gradient_accumulation_steps or max(max_count, 1)
         num_steps = max(math.ceil(max_count / per_step), 1)
         step_weights = self.step_weights(replays)
-        stats: dict[str, list[float]] = {}
+        stats: dict[str, list[Tensor]] = {}
         first_pass_dev: list[float] = []
         for epoch in range(t.num_inner_epochs):
             order = torch.randperm(len(replays), generator=seeded_generator(
@@ -270,13 +270,15 @@ class Trainer:
                         loss, step_stats = self.replay_loss(batch, replays[index], advantages,
                                                             settings, clip_high, step_weights[index])
                     (loss / per_step).backward()
+                    # Detached tensors: one host sync per update, not one per replay batch.
                     for key, value in step_stats.items():
-                        stats.setdefault(key, []).append(float(value))
+                        stats.setdefault(key, []).append(value.detach().float().reshape(()))
                     if epoch == 0:
-                        first_pass_dev.append(float(step_stats["ratio_max_dev"]))
-                stats.setdefault("grad_norm", []).append(self.optimizer_step())
-        metrics = {f"train/{k}": _mean(v) for k, v in stats.items()}
-        metrics["train/first_pass_ratio_max_dev"] = max(first_pass_dev, default=0.0)
+                        first_pass_dev.append(step_stats["ratio_max_dev"].reshape(()))
+                stats.setdefault("grad_norm", []).append(torch.as_tensor(self.optimizer_step()))
+        metrics = {f"train/{k}": float(torch.stack(v).mean()) for k, v in stats.items()}
+        metrics["train/first_pass_ratio_max_dev"] = \
+            float(torch.stack(first_pass_dev).max()) if first_pass_dev else 0.0
         metrics["train/replay_batches"] = len(replays)
         metrics["train/skipped_replay_batches"] = len(batch.replay) - len(replays)
         metrics["lr"] = self.optimizer.param_groups[0]["lr"]
@@ -302,14 +304,23 @@ class Trainer:
             raw = [w / mean for w in raw]
         return raw
 
+    def replay_condition(self, batch: RolloutBatch, replay):
+        """Prompt embeddings of a replay batch's rows; the batch's unique prompts are encoded once
+        per update and rows are picked from them."""
+        if getattr(self, "_cond_batch", None) is not batch:
+            unique = list(dict.fromkeys(batch.prompts))
+            self._cond_unique = self.model.encode_prompts(unique).to(self.model.device)
+            self._cond_index = torch.tensor([unique.index(p) for p in batch.prompts])
+            self._cond_batch = batch
+        return self._cond_unique.select(self._cond_index[replay.rows])
+
     def replay_loss(self, batch: RolloutBatch, replay, advantages: Tensor,
                     settings: RolloutSettings, clip_high: float, weights: Tensor
                     ) -> tuple[Tensor, dict[str, Tensor]]:
         """The loss of one replay batch: surrogate (+ Guard / rectification weights) + KL.
         Returns the loss and detached stats, including ``ratio_max_dev`` (|ratio - 1| max)."""
+        cond = self.replay_condition(batch, replay)
         t = self.config.training
-        # Prompt embeddings are cached by the adapter, so this costs a dict lookup per prompt.
-        cond = self.model.encode_prompts([batch.prompts[i] for i in replay.rows.tolist()])
         logp, mean = replay_logp(self.model, replay, cond, settings)
         adv = advantages[replay.rows].to(logp.device)
         log_ratio = guard_log_ratio(logp, replay.logp_old, mean, replay.mean_old, replay.std) \
@@ -381,10 +392,15 @@ class Trainer:
             valid = values[~values.isnan()]
             metrics[f"eval/{name}"] = float(valid.mean()) if len(valid) else float("nan")
             families = sorted({str(m.get("family")) for m in metadata if m.get("family")})
+            per_family = []
             for family in families:
                 mask = torch.tensor([m.get("family") == family for m in metadata]) & ~values.isnan()
                 if mask.any():
                     metrics[f"eval/{name}/{family}"] = float(values[mask].mean())
+                    per_family.append(metrics[f"eval/{name}/{family}"])
+            if per_family:
+                # GenEval's overall score: the mean over task families, not over prompts.
+                metrics[f"eval/{name}/family_mean"] = _mean(per_family)
         if save_images:
             from torchvision.utils import save_image
 
@@ -408,7 +424,8 @@ class Trainer:
                 directory, iteration=iteration, trainable=self.trainable, optimizer=self.optimizer,
                 ema_state=self.ema.state_dict() if self.ema else None,
                 ema_counters=self.ema.counters() if self.ema else None, save_lora=save_lora,
-                extra={"name": self.config.name})
+                extra={"name": self.config.name, "family": self.config.model.family,
+                       "policy": self.config.policy})
             ckpt.prune_checkpoints(self.run_dir, self.config.run.keep_checkpoints)
         self.accelerator.wait_for_everyone()
         return directory
@@ -514,7 +531,8 @@ class Trainer:
             parts.append(f"train reward {trains[0].get('reward/total/mean', float('nan')):.3f} -> "
                          f"{trains[-1].get('reward/total/mean', float('nan')):.3f}")
         if len(evals) >= 1:
-            keys = [k for k in evals[-1] if k.startswith("eval/") and k.count("/") == 1]
+            keys = [k for k in evals[-1] if k.startswith("eval/") and
+                    (k.count("/") == 1 or k.endswith("/family_mean"))]
             for key in keys:
                 first = evals[0].get(key, float("nan"))
                 parts.append(f"{key} {first:.3f} -> {evals[-1][key]:.3f}")

@@ -74,3 +74,22 @@ def test_help_lists_every_section():
     text = help_text()
     for name in ("training.clip_low", "sampling.plan.kind", "model.lora.rank", "run.seed"):
         assert name in text
+
+
+CONFIGS = sorted((__import__("pathlib").Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
+def test_shipped_configs_validate(path):
+    config = load_config(path)
+    assert config.name == path.stem
+
+
+def test_cli_reports_bad_config_in_one_line(tmp_path, capsys):
+    from flowgrpo.cli import main
+
+    path = tmp_path / "bad.yaml"
+    path.write_text("training: {group_size: 1}\nrewards: {components: [{name: jpeg_compressibility}]}\n")
+    assert main(["train", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "training.group_size" in err and "Traceback" not in err

@@ -138,14 +138,18 @@ def test_checkpoint_lora_loads_in_stock_pipeline(tiny_sd3_path, tmp_path):
 
 @pytest.mark.slow
 def test_mean_reward_rises_over_20_iterations(tiny_sd3_path, tmp_path):
-    """Learning happens: JPEG compressibility (a real reward) rises on the tiny SD3 build.
+    """Learning happens on the tiny SD3 build: brightness of the decoded image (a cheap, smooth
+    reward) rises over 20 iterations by more than the noise of the per-iteration means.
     Run: bash scripts/test.sh -m slow -k reward_rises"""
     config = tiny_config(tiny_sd3_path, tmp_path, "run.max_iterations=20",
-                         "rewards.components=[{name: jpeg_compressibility}]",
-                         "training.lr=3e-3", "training.clip_low=0.01", "model.lora.rank=8",
-                         "sampling.plan.kind=full", "training.num_inner_epochs=1")
-    history = Trainer(config).train()
-    rewards = [h["reward/total/mean"] for h in history if h["phase"] == "train"]
-    first, last = sum(rewards[:5]) / 5, sum(rewards[-5:]) / 5
-    spread = max(h["reward/total/std"] for h in history if h["phase"] == "train")
-    assert last - first > spread, (rewards, spread)
+                         "rewards.components=[{name: 'tests.helpers:Brightness'}]",
+                         "training.lr=1e-2", "training.clip_low=0.2",
+                         "training.gradient_accumulation_steps=1",
+                         "training.prompts_per_iteration=4", "training.group_size=8",
+                         "sampling.rollout_batch_size=8")
+    history = [h for h in Trainer(config).train() if h["phase"] == "train"]
+    means = torch.tensor([h["reward/total/mean"] for h in history])
+    # Standard error of one iteration's mean reward, from the within-batch spread.
+    sem = max(h["reward/total/std"] for h in history) / (32 ** 0.5)
+    gain = means[-5:].mean() - means[:5].mean()
+    assert gain > 3 * sem, (means.tolist(), sem)
