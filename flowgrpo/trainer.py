@@ -410,6 +410,65 @@ class Trainer:
             save_image(images, out / f"eval_{iteration:05d}.png", nrow=8)
         return metrics
 
+    GRID_ROWS = 12
+
+    def grid_records(self) -> list[dict]:
+        """Held-out prompts of the before/after grid: spread over families when there are any."""
+        by_family: dict[str, list[dict]] = {}
+        for record in self.eval_records:
+            by_family.setdefault(str(record["metadata"].get("family")), []).append(record)
+        picks, round_index = [], 0
+        while len(picks) < min(self.GRID_ROWS, len(self.eval_records)):
+            for records in by_family.values():
+                if round_index < len(records) and len(picks) < self.GRID_ROWS:
+                    picks.append(records[round_index])
+            round_index += 1
+        return picks
+
+    @torch.no_grad()
+    def save_grid_samples(self, tag: str) -> None:
+        """Deterministic samples of the grid prompts, saved as safetensors (survives a resume)."""
+        from safetensors.torch import save_file
+
+        records = self.grid_records()
+        if not records:
+            return
+        s = self.config.sampling
+        guidance = s.guidance_scale if s.eval_guidance_scale is None else s.eval_guidance_scale
+        swap = self.ema.swapped_in() if self.ema is not None else nullcontext()
+        with swap, self.accelerator.autocast():
+            media = sample_ode(self.model, [r["prompt"] for r in records],
+                               self.eval_noise(len(records)), s.eval_num_steps, guidance)
+        save_file({"media": media.contiguous()}, str(self.run_dir / f"grid_{tag}.safetensors"))
+
+    def write_comparison_grid(self) -> Path | None:
+        """runs/<name>/comparison.png: rows = held-out prompts, columns = base and final model,
+        the same noise across a row, each cell labelled with its reward."""
+        from safetensors.torch import load_file
+
+        from flowgrpo.grids import image_grid
+
+        base_path = self.run_dir / "grid_base.safetensors"
+        records = self.grid_records()
+        if not base_path.is_file() or not records:
+            return None
+        self.save_grid_samples("final")
+        base = load_file(str(base_path))["media"]
+        final = load_file(str(self.run_dir / "grid_final.safetensors"))["media"]
+        if base.dim() != 4:
+            return None   # video runs: use `flowgrpo grid` for MP4 grids
+        prompts = [r["prompt"] for r in records]
+        metadata = [r["metadata"] for r in records]
+        scores = [self.reward(m, prompts, metadata)["total"] for m in (base, final)]
+        images = torch.stack([base, final], dim=1)
+        labels = [[f"{float(scores[c][r]):.2f}" for c in range(2)] for r in range(len(records))]
+        grid = image_grid(images, row_labels=prompts,
+                          col_labels=["base", f"iteration {self.config.run.max_iterations}"],
+                          cell_labels=labels)
+        path = self.run_dir / "comparison.png"
+        grid.save(path)
+        return path
+
     # ------------------------------------------------------------------ checkpoints
     def save(self, iteration: int) -> Path:
         directory = self.run_dir / "checkpoints" / str(iteration)
@@ -484,6 +543,8 @@ class Trainer:
             self.accelerator.init_trackers(cfg.name, config=flat)
         if self.start_iteration == 0 and self.accelerator.is_main_process:
             self.log({"iteration": 0, "phase": "eval", **self.evaluate(0)})
+            if cfg.run.comparison_grid:
+                self.save_grid_samples("base")
         bar = tqdm(range(self.start_iteration, cfg.run.max_iterations), initial=self.start_iteration,
                    total=cfg.run.max_iterations, disable=not (cfg.run.progress and
                                                             self.accelerator.is_main_process),
@@ -508,6 +569,8 @@ class Trainer:
             if (cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0) or last:
                 self.save(done)
         bar.close()
+        if cfg.run.comparison_grid and self.accelerator.is_main_process:
+            self.write_comparison_grid()
         if self.tracker != "none":
             self.accelerator.end_training()
         if self.accelerator.is_main_process:
@@ -536,6 +599,8 @@ class Trainer:
             for key in keys:
                 first = evals[0].get(key, float("nan"))
                 parts.append(f"{key} {first:.3f} -> {evals[-1][key]:.3f}")
+        if (self.run_dir / "comparison.png").is_file():
+            parts.append(f"grid {self.run_dir / 'comparison.png'}")
         parts.append(f"outputs in {self.run_dir}")
         print(" | ".join(parts), flush=True)
 
