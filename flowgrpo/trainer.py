@@ -273,7 +273,7 @@ class Trainer:
                     # Detached tensors: one host sync per update, not one per replay batch.
                     for key, value in step_stats.items():
                         stats.setdefault(key, []).append(value.detach().float().reshape(()))
-                    if epoch == 0:
+                    if epoch == 0 and step == 0:   # before any optimiser step: must be exactly 1
                         first_pass_dev.append(step_stats["ratio_max_dev"].reshape(()))
                 stats.setdefault("grad_norm", []).append(torch.as_tensor(self.optimizer_step()))
         metrics = {f"train/{k}": float(torch.stack(v).mean()) for k, v in stats.items()}

@@ -1,0 +1,792 @@
+"""Causal language models on the same GRPO core: the completion's tokens are the steps.
+
+``LLMTrainer`` is the ``Trainer`` with the policy-specific methods swapped: rollouts come from
+``generate`` (each prompt ``group_size`` times), rewards score completion strings, and the loss is
+``losses.token_policy_loss`` over completion tokens. Advantages (group / batch / none, GDPO),
+the update loop, EMA, checkpoints and resume are the base trainer's.
+
+Variants, all by config (see ``configs/llm_*.yaml``):
+
+- GRPO: ``llm.aggregation=grpo``, ``llm.level=token``.
+- Dr. GRPO: ``training.adv_scale=none`` + ``llm.aggregation=dr_grpo``.
+- DAPO: ``training.clip_high > clip_low`` (clip-higher), ``llm.aggregation=dapo``,
+  ``llm.dynamic_sampling`` (refill zero-variance groups), ``llm.overlong_buffer`` (soft overlong
+  punishment), ``llm.mask_truncated`` (truncated completions leave the loss).
+- GSPO: ``llm.level=sequence``.
+- GDPO (several rewards): ``rewards.aggregation=decoupled``.
+
+On-policy replay: after generation, ``logp_old`` is recomputed by ``token_logp`` on exactly the
+replay batches (same rows, padding, dtype, mode and code path) that the update replays, so the
+first inner pass has ratio == 1 exactly. Sampling is seeded per (seed, iteration, round, sample):
+each row draws its tokens from its own generator (``SeededSampler``), so a batch split over
+several processes samples what one process would.
+"""
+from __future__ import annotations
+
+import inspect
+import json
+import math
+import time
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from flowgrpo.config import ConfigError, TrainConfig
+from flowgrpo.losses import token_policy_loss
+from flowgrpo.prompts import sample_groups
+from flowgrpo.rollout import seeded_generator
+from flowgrpo.trainer import DTYPES, Trainer
+
+# Attention projections of common causal LMs (Llama/Qwen/Mistral, GPT-2, GPT-NeoX, MPT).
+DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "c_attn", "query_key_value", "Wqkv")
+MODEL_OPTIONS = ("attn_implementation", "revision", "trust_remote_code")
+OVERLONG_KEY = "overlong"
+
+
+# --------------------------------------------------------------------------- data
+
+
+@dataclass
+class LanguagePolicy:
+    """The causal LM and its tokenizer. ``transformer`` is named as in ``FlowModel``: it is what
+    LoRA wraps, what trains, and what ``Trainer.reference_policy`` swaps for a frozen copy."""
+
+    transformer: nn.Module
+    tokenizer: object
+
+
+@dataclass
+class TokenReplayBatch:
+    """One replayed forward pass: b rows, prompts left-padded to P tokens, completions
+    right-padded to C tokens.
+
+    Shapes: rows (b,) indices into the rollout batch; input_ids / attention_mask (b, P + C) int64;
+    completion_mask (b, C) float32, 1 on completion tokens that enter the loss (up to and including
+    EOS; 0 on padding and, with ``llm.mask_truncated``, on truncated completions); logp_old (b, C)
+    float32 token log-probs at rollout time (0 on padding).
+    """
+
+    rows: Tensor
+    input_ids: Tensor
+    attention_mask: Tensor
+    completion_mask: Tensor
+    logp_old: Tensor
+    prompt_length: int
+
+    @property
+    def valid_mask(self) -> Tensor:
+        """(b, C) bool: generated completion tokens, including those masked out of the loss."""
+        return self.attention_mask[:, self.prompt_length:].bool()
+
+
+@dataclass
+class TokenRolloutBatch:
+    """One iteration's language rollouts (the ``RolloutBatch`` of ``policy: llm``). B = local rows.
+
+    completion_lengths (B,) int64 counts completion tokens including EOS; truncated (B,) bool marks
+    completions that reached ``llm.max_new_tokens`` without EOS."""
+
+    prompts: list[str]
+    metadata: list[dict]
+    group_ids: Tensor
+    sample_ids: Tensor
+    completions: list[str]
+    completion_lengths: Tensor
+    truncated: Tensor
+    replay: list[TokenReplayBatch] = field(default_factory=list)
+    nfe: int = 0
+
+    @property
+    def trained_transitions(self) -> int:
+        """Completion tokens that enter the loss."""
+        return int(sum(float(r.completion_mask.sum()) for r in self.replay))
+
+
+# --------------------------------------------------------------------------- maths
+
+
+def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
+    """(B, S) 0/1 mask of a left-padded batch -> (B, S) positions: 0, 1, ... from each row's first
+    real token, 0 on padding (what ``generate`` uses, so rollout and replay agree)."""
+    positions = attention_mask.long().cumsum(-1) - 1
+    return positions.masked_fill(attention_mask == 0, 0)
+
+
+def token_logp(module: nn.Module, input_ids: Tensor, attention_mask: Tensor, prompt_length: int,
+               temperature: float = 1.0) -> Tensor:
+    """Log-probs of the completion tokens, (B, C) float32 with C = S - prompt_length.
+
+    Token t of the completion (position prompt_length + t) is scored by the logits at the
+    previous position, divided by ``temperature`` (the sampled distribution, as in TRL).
+
+    Args:
+        module: a causal LM returning ``.logits`` (B, S, V).
+        input_ids, attention_mask: (B, S), prompts left-padded to ``prompt_length``.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0 (got {temperature})")
+    if not 0 < prompt_length < input_ids.shape[1]:
+        raise ValueError(f"prompt_length must be in (0, {input_ids.shape[1]}) (got {prompt_length})")
+    logits = module(input_ids=input_ids, attention_mask=attention_mask,
+                    position_ids=position_ids_from_mask(attention_mask), use_cache=False).logits
+    logits = logits[:, prompt_length - 1:-1].float() / temperature
+    targets = input_ids[:, prompt_length:]
+    return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+
+
+def overlong_penalty(lengths: Tensor, max_new_tokens: int, buffer: int, penalty: float) -> Tensor:
+    """DAPO's soft overlong punishment, (B,) float32 <= 0.
+
+    With L_exp = max_new_tokens - buffer: 0 for length <= L_exp, then falling linearly to
+    -penalty at length = max_new_tokens, -penalty beyond. ``buffer = 0`` disables it (zeros).
+
+    Args:
+        lengths: (B,) completion lengths in tokens.
+    """
+    if buffer < 0 or buffer > max_new_tokens:
+        raise ValueError(f"buffer must be in [0, max_new_tokens={max_new_tokens}] (got {buffer})")
+    if penalty < 0:
+        raise ValueError(f"penalty must be >= 0 (got {penalty})")
+    lengths = lengths.float()
+    if buffer == 0:
+        return torch.zeros_like(lengths)
+    expected = max_new_tokens - buffer
+    return (-(lengths - expected).clamp(min=0) / buffer).clamp(min=-1) * penalty
+
+
+def top_p_filter(probs: Tensor, top_p: float) -> Tensor:
+    """Nucleus filter, (B, V) -> (B, V) renormalised: keep the most probable tokens whose
+    cumulative probability before them is < top_p (so at least the top token)."""
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1] (got {top_p})")
+    if top_p >= 1:
+        return probs
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    before = sorted_probs.cumsum(-1) - sorted_probs
+    sorted_probs = torch.where(before < top_p, sorted_probs, torch.zeros_like(sorted_probs))
+    kept = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+    return kept / kept.sum(-1, keepdim=True)
+
+
+class SeededSampler:
+    """A ``generate`` logits processor that samples each row from its own generator.
+
+    Used with greedy decoding: it replaces the scores by 0 at one token drawn from
+    top_p(softmax(scores / temperature)) and -inf elsewhere, so the greedy step picks that token.
+    Each call draws one uniform per row (inverse-CDF sampling), so a row's tokens depend only on
+    its generator and its own logits, not on the other rows of the batch.
+    """
+
+    def __init__(self, generators: list[torch.Generator], temperature: float, top_p: float) -> None:
+        if temperature <= 0:
+            raise ValueError(f"temperature must be > 0 for sampling (got {temperature}); use "
+                             f"greedy decoding for 0")
+        self.generators = generators
+        self.temperature = temperature
+        self.top_p = top_p
+
+    def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
+        if scores.shape[0] != len(self.generators):
+            raise ValueError(f"SeededSampler has {len(self.generators)} generators for "
+                             f"{scores.shape[0]} rows")
+        probs = top_p_filter(torch.softmax(scores.float() / self.temperature, dim=-1), self.top_p)
+        uniforms = torch.stack([torch.rand((), generator=g) for g in self.generators])
+        cdf = probs.cumsum(-1)
+        targets = (uniforms.to(cdf.device) * cdf[:, -1]).unsqueeze(-1)
+        choice = torch.searchsorted(cdf, targets, right=True).clamp(max=scores.shape[-1] - 1)
+        out = torch.full_like(scores, -math.inf)
+        return out.scatter(-1, choice, 0.0)
+
+
+# --------------------------------------------------------------------------- generation
+
+
+def eos_token_ids(module: nn.Module, tokenizer) -> list[int]:
+    """Every id that ends a completion: the tokenizer's EOS and the model's generation EOS ids."""
+    ids = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    configured = getattr(getattr(module, "generation_config", None), "eos_token_id", None)
+    if configured is not None:
+        ids.update(int(i) for i in (configured if isinstance(configured, (list, tuple))
+                                    else [configured]))
+    if not ids:
+        raise ValueError("the tokenizer and the model define no EOS token: completions could not "
+                         "end; set tokenizer.eos_token")
+    return sorted(ids)
+
+
+@torch.no_grad()
+def generate_completions(module: nn.Module, tokenizer, prompts: list[str], *, max_new_tokens: int,
+                         batch_size: int, temperature: float = 1.0, top_p: float = 1.0,
+                         generators: list[torch.Generator] | None = None
+                         ) -> tuple[list[list[int]], list[list[int]], list[bool]]:
+    """Complete ``prompts`` with ``module.generate``, ``batch_size`` prompts per call.
+
+    ``generators`` (one per prompt) samples with ``SeededSampler``; None decodes greedily.
+    Returns per prompt: its token ids (no padding), its completion ids up to and including the
+    first EOS, and whether it was truncated (``max_new_tokens`` tokens without EOS).
+    """
+    from transformers import GenerationConfig, LogitsProcessorList
+
+    if generators is not None and len(generators) != len(prompts):
+        raise ValueError(f"generators must have one generator per prompt ({len(prompts)}) "
+                         f"(got {len(generators)})")
+    eos = eos_token_ids(module, tokenizer)
+    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
+                              eos_token_id=eos, pad_token_id=tokenizer.pad_token_id)
+    device = next(module.parameters()).device
+    prompt_ids, completion_ids, truncated = [], [], []
+    for start in range(0, len(prompts), batch_size):
+        chunk = prompts[start:start + batch_size]
+        encoded = tokenizer(chunk, return_tensors="pt", padding=True).to(device)
+        processors = None
+        if generators is not None:
+            processors = LogitsProcessorList([SeededSampler(
+                generators[start:start + batch_size], temperature, top_p)])
+        out = module.generate(input_ids=encoded["input_ids"],
+                              attention_mask=encoded["attention_mask"], generation_config=config,
+                              logits_processor=processors)
+        length = encoded["input_ids"].shape[1]
+        for row in range(len(chunk)):
+            kept = encoded["attention_mask"][row].bool()
+            prompt_ids.append(encoded["input_ids"][row][kept].tolist())
+            tokens = out[row, length:].tolist()
+            end = next((i for i, token in enumerate(tokens) if token in eos), None)
+            completion_ids.append(tokens if end is None else tokens[:end + 1])
+            truncated.append(end is None)
+    return prompt_ids, completion_ids, truncated
+
+
+def pad_replay_inputs(prompt_ids: list[list[int]], completion_ids: list[list[int]], pad_id: int
+                      ) -> tuple[Tensor, Tensor, int]:
+    """Left-pad prompts and right-pad completions into one batch.
+
+    Returns input_ids and attention_mask (b, P + C) int64 and P, the padded prompt length."""
+    prompt_length = max(len(p) for p in prompt_ids)
+    width = prompt_length + max(max(len(c) for c in completion_ids), 1)
+    input_ids = torch.full((len(prompt_ids), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, (prompt, completion) in enumerate(zip(prompt_ids, completion_ids)):
+        sequence = torch.tensor(prompt + completion, dtype=torch.long)
+        first = prompt_length - len(prompt)
+        input_ids[row, first:first + len(sequence)] = sequence
+        attention_mask[row, first:first + len(sequence)] = 1
+    return input_ids, attention_mask, prompt_length
+
+
+def disable_dropout(module: nn.Module) -> None:
+    """Zero every dropout of a model (nn.Dropout and functional ``attention_dropout`` rates), so
+    rollout and replay compute the same function whatever the module's train/eval mode."""
+    for child in module.modules():
+        if isinstance(child, nn.Dropout):
+            child.p = 0.0
+        for name in ("attention_dropout", "dropout"):
+            if isinstance(getattr(child, name, None), float):
+                setattr(child, name, 0.0)
+
+
+def default_lora_targets(module: nn.Module) -> list[str]:
+    """Names of the attention projections present in ``module`` (``DEFAULT_LORA_TARGETS``), or
+    else every linear layer's name except the output head. For GPT-2 this is ``c_attn`` (the
+    fused q/k/v projection)."""
+    from transformers.pytorch_utils import Conv1D   # GPT-2's linear layers
+
+    linear = {name.rsplit(".", 1)[-1] for name, child in module.named_modules()
+              if isinstance(child, (nn.Linear, Conv1D))}
+    found = sorted(linear & set(DEFAULT_LORA_TARGETS))
+    return found or sorted(linear - {"lm_head"})
+
+
+# --------------------------------------------------------------------------- rewards
+
+
+class TextRewards:
+    """Text rewards combined like ``MultiReward``: every component, and ``"total"``.
+
+    Specs are dicts ``{name, weight, label, **options}``; ``name`` is a registered text reward
+    (``reward_models.text``) or ``"package.module:Name"`` of a class (built with the options) or of
+    a function ``(completions, prompts, metadata) -> (B,)`` (no options). A component's key is its
+    ``label``, else the reward's ``name`` attribute, else the ``Name`` after the colon. With DAPO overlong
+    shaping on, ``"overlong"`` is one more component of weight 1, so GDPO normalises it apart.
+    """
+
+    def __init__(self, specs: list[dict], aggregation: str = "weighted_sum", *,
+                 overlong_buffer: int = 0, overlong_penalty: float = 1.0,
+                 max_new_tokens: int = 1) -> None:
+        import reward_models.text  # noqa: F401  (registers the built-in text rewards)
+        from reward_models.loading import resolve_reward_class
+
+        if not specs:
+            raise ValueError("rewards.components is empty: add a text reward, e.g. "
+                             "[{name: exact_match}]")
+        self.aggregation = aggregation
+        self.rewards: dict[str, object] = {}
+        self._weights: dict[str, float] = {}
+        for spec in specs:
+            options = {k: v for k, v in spec.items() if k not in ("name", "weight", "label")}
+            name = spec["name"]
+            target = resolve_reward_class(name)
+            if inspect.isclass(target):
+                params = inspect.signature(target).parameters
+                unknown = sorted(set(options) - set(params))
+                if unknown and not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+                    raise ValueError(f"reward {name!r} has no option {unknown[0]!r}; valid options: "
+                                     f"{', '.join(params) or 'none'}")
+                reward = target(**options)
+            elif callable(target):
+                if options:
+                    raise ValueError(f"reward {name!r} is a function and takes no options (got "
+                                     f"{sorted(options)}); make it a class to configure it")
+                reward = target
+            else:
+                raise TypeError(f"reward {name!r} resolved to {type(target).__name__}, which is "
+                                f"not callable")
+            key = spec.get("label") or getattr(reward, "name", None) or name.rsplit(":", 1)[-1]
+            if not isinstance(key, str) or "." in key or key in ("total", OVERLONG_KEY):
+                raise ValueError(f"reward label {key!r} must not contain '.' nor be 'total' or "
+                                 f"'{OVERLONG_KEY}'; set 'label' in the spec")
+            if key in self.rewards:
+                raise ValueError(f"reward {key!r} appears twice; give each a distinct 'label'")
+            self.rewards[key] = reward
+            weight = spec.get("weight", 1.0)
+            if isinstance(weight, bool) or not isinstance(weight, (int, float)) \
+                    or not math.isfinite(weight):
+                raise ValueError(f"reward {key!r}: weight must be a finite number (got {weight!r})")
+            self._weights[key] = float(weight)
+        self.overlong_buffer = overlong_buffer
+        self.overlong_penalty = overlong_penalty
+        self.max_new_tokens = max_new_tokens
+        if overlong_buffer > 0:
+            self._weights[OVERLONG_KEY] = 1.0
+
+    @property
+    def weights(self) -> dict[str, float]:
+        """Component key -> weight (the inputs of the weighted sum and of GDPO)."""
+        return dict(self._weights)
+
+    def __call__(self, completions: list[str], prompts: list[str], metadata: list[dict],
+                 completion_lengths: Tensor | None = None) -> dict[str, Tensor]:
+        """Every component's (B,) float32 scores, ``<key>.<part>`` for rewards with components,
+        ``"overlong"`` when shaping is on (needs ``completion_lengths`` (B,) in tokens), and
+        ``"total"`` = sum_k w_k score_k (NaN where a weighted score is NaN)."""
+        from reward_models.base import as_score_vector, score_with_components
+        from reward_models.multi import weighted_total
+
+        batch = len(completions)
+        out: dict[str, Tensor] = {}
+        for key, reward in self.rewards.items():
+            main, parts = score_with_components(reward, completions, prompts, metadata)
+            out[key] = as_score_vector(main, batch, key)
+            for part, values in parts.items():
+                out[f"{key}.{part}"] = as_score_vector(values, batch, f"{key}.{part}")
+        if self.overlong_buffer > 0:
+            if completion_lengths is None:
+                raise ValueError("completion_lengths (B,) are required when overlong shaping is on")
+            out[OVERLONG_KEY] = overlong_penalty(completion_lengths, self.max_new_tokens,
+                                                 self.overlong_buffer, self.overlong_penalty)
+        out["total"] = weighted_total({k: out[k] for k in self._weights}, self._weights)
+        return out
+
+
+def zero_variance_groups(values: dict[str, Tensor], group_ids: Tensor) -> set[int]:
+    """Group ids in which every reward of ``values`` ({key: (B,)}) is constant over the group's
+    valid (non-NaN) samples, or that have fewer than two valid samples: no learning signal."""
+    flat = set()
+    for group in group_ids.unique().tolist():
+        members = group_ids == group
+        has_signal = False
+        for scores in values.values():
+            valid = scores[members][~scores[members].isnan()]
+            if len(valid) >= 2 and bool(valid.max() > valid.min()):
+                has_signal = True
+                break
+        if not has_signal:
+            flat.add(int(group))
+    return flat
+
+
+# --------------------------------------------------------------------------- trainer
+
+
+def validate_llm_config(config: TrainConfig) -> None:
+    """LLM-specific checks that need no model (the base ``validate`` checks the rest)."""
+    if config.policy != "llm":
+        raise ConfigError(f"policy must be 'llm' for LLMTrainer (got {config.policy!r})")
+    llm = config.llm
+    if not 0 <= llm.overlong_buffer <= llm.max_new_tokens:
+        raise ConfigError(f"llm.overlong_buffer must be in [0, llm.max_new_tokens="
+                          f"{llm.max_new_tokens}] (got {llm.overlong_buffer})")
+    if llm.overlong_penalty < 0:
+        raise ConfigError(f"llm.overlong_penalty must be >= 0 (got {llm.overlong_penalty})")
+    if llm.max_resample_rounds < 0:
+        raise ConfigError(f"llm.max_resample_rounds must be >= 0 (got {llm.max_resample_rounds})")
+    if llm.eval_temperature < 0:
+        raise ConfigError(f"llm.eval_temperature must be >= 0 (0 = greedy) (got "
+                          f"{llm.eval_temperature})")
+    if not config.rewards.components:
+        raise ConfigError("rewards.components is empty: add a text reward, e.g. "
+                          "[{name: exact_match}]")
+    unknown = sorted(set(config.model.options) - set(MODEL_OPTIONS))
+    if unknown:
+        raise ConfigError(f"model.options.{unknown[0]} is not an option of policy llm; valid: "
+                          f"{', '.join(MODEL_OPTIONS)}")
+    if config.training.clip_low > 1:
+        raise ConfigError(f"training.clip_low must be <= 1 for token ratios (got "
+                          f"{config.training.clip_low})")
+
+
+class LLMTrainer(Trainer):
+    """GRPO and its variants for causal LMs (``policy: llm``) on the base trainer's loop."""
+
+    def __init__(self, config: TrainConfig, accelerator=None, model: LanguagePolicy | None = None
+                 ) -> None:
+        validate_llm_config(config)
+        self.tokens_per_replay = 1.0
+        super().__init__(config, accelerator=accelerator, model=model)
+
+    def load_rewards(self) -> TextRewards:
+        llm = self.config.llm
+        return TextRewards([{"name": c.name, "weight": c.weight, **c.options}
+                            for c in self.config.rewards.components],
+                           self.config.rewards.aggregation, overlong_buffer=llm.overlong_buffer,
+                           overlong_penalty=llm.overlong_penalty, max_new_tokens=llm.max_new_tokens)
+
+    def load_policy(self) -> None:
+        """``AutoModelForCausalLM`` + ``AutoTokenizer`` from ``model.path`` (hub id or folder),
+        dropout off, LoRA on the attention projections unless ``model.lora`` says otherwise.
+        The module runs in eval mode, or train mode when gradient checkpointing needs it (dropout
+        is off either way, so rollouts and replays compute the same function)."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        m = self.config.model
+        if self.model is None:
+            options = dict(m.options)
+            tokenizer = AutoTokenizer.from_pretrained(
+                m.path, **{k: v for k, v in options.items() if k != "attn_implementation"})
+            module = AutoModelForCausalLM.from_pretrained(m.path, dtype=DTYPES[m.dtype], **options)
+            self.model = LanguagePolicy(module.to(self.accelerator.device), tokenizer)
+        tokenizer = self.model.tokenizer
+        tokenizer.padding_side = "left"
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        self.module = self.model.transformer
+        eos_token_ids(self.module, tokenizer)   # fail now, not at the first rollout, without EOS
+        disable_dropout(self.module)
+        self.setup_trainable(default_lora_targets(self.module))
+        self.module.train(m.gradient_checkpointing)
+
+    def setup_trainable(self, default_targets: list[str]) -> None:
+        """Full fine-tuning as in the base; LoRA through ``peft.get_peft_model`` (a ``PeftModel``
+        wrapping the LM), because transformers' own ``add_adapter`` needs a newer PEFT than the
+        one pinned here. Sets ``self.module`` and ``self.model.transformer`` to the wrapped LM."""
+        m = self.config.model
+        if not m.lora.enabled:
+            super().setup_trainable(default_targets)
+            return
+        from peft import LoraConfig, get_peft_model
+
+        self.module.requires_grad_(False)
+        if m.gradient_checkpointing:
+            self.module.gradient_checkpointing_enable()
+            self.module.enable_input_require_grads()
+        self.module = get_peft_model(self.module, LoraConfig(
+            r=m.lora.rank, lora_alpha=m.lora.alpha, task_type="CAUSAL_LM",
+            target_modules=m.lora.target_modules or default_targets,
+            init_lora_weights="gaussian" if m.lora.init == "gaussian" else True))
+        self.model.transformer = self.module
+        for param in self.module.parameters():
+            if param.requires_grad:
+                param.data = param.data.float()   # LoRA weights train in float32
+        self.trainable = {n: p for n, p in self.module.named_parameters() if p.requires_grad}
+        if not self.trainable:
+            raise ValueError("model.lora.target_modules matched no module: nothing to train")
+
+    @contextmanager
+    def reference_policy(self):
+        """The KL reference: the LM with its LoRA adapter disabled, or the frozen copy kept for
+        full fine-tuning (the base's)."""
+        if self.reference_module is not None:
+            with super().reference_policy():
+                yield
+        else:
+            with self.module.disable_adapter():
+                yield
+
+    def sample_completions(self, prompts: list[str], iteration: int, round_index: int,
+                           sample_ids: list[int]
+                           ) -> tuple[list[list[int]], list[list[int]], list[bool]]:
+        """``generate_completions`` at the rollout temperature / top-p, each sample drawing from
+        its own generator seeded by (seed, iteration, round, sample id)."""
+        llm = self.config.llm
+        generators = [seeded_generator(self.config.run.seed, iteration, "tokens", round_index, s)
+                      for s in sample_ids]
+        with self.accelerator.autocast():
+            return generate_completions(
+                self.module, self.model.tokenizer, prompts, max_new_tokens=llm.max_new_tokens,
+                batch_size=self.config.sampling.rollout_batch_size, temperature=llm.temperature,
+                top_p=llm.top_p, generators=generators)
+
+    def rollout_and_score(self, iteration: int) -> tuple[TokenRolloutBatch, dict[str, Tensor], dict]:
+        """Sample ``group_size`` completions per prompt, score them, and recompute ``logp_old``
+        on the replay batches. With ``llm.dynamic_sampling`` (DAPO), groups whose rewards have
+        no variance get a fresh prompt and are resampled, up to ``llm.max_resample_rounds``."""
+        cfg, llm, acc = self.config, self.config.llm, self.accelerator
+        records, group_ids, sample_ids = self.local_batch(iteration)
+        batch = len(records)
+        prompt_ids: list[list[int]] = [[] for _ in range(batch)]
+        completion_ids: list[list[int]] = [[] for _ in range(batch)]
+        truncated = [False] * batch
+        completions = [""] * batch
+        rewards: dict[str, Tensor] = {}
+        signal_keys = (list(self.reward.weights) if cfg.rewards.aggregation == "decoupled"
+                       else ["total"])
+        rows = list(range(batch))
+        rollout_seconds = reward_seconds = 0.0
+        rounds = 1 + (llm.max_resample_rounds if llm.dynamic_sampling else 0)
+        resampled = flat_groups = 0
+        for round_index in range(rounds):
+            if round_index > 0:
+                # Refill each flat group's slot with a fresh prompt of this round.
+                fresh = sample_groups(self.train_records, cfg.training.prompts_per_iteration,
+                                      cfg.run.seed, f"{iteration}/resample{round_index}",
+                                      cfg.prompts.balance_key)
+                for row in rows:
+                    records[row] = fresh[int(group_ids[row])]
+            if rows:   # after round 0, a process may hold no row of a flat group
+                began = time.perf_counter()
+                sampled = self.sample_completions([records[r]["prompt"] for r in rows],
+                                                  iteration, round_index,
+                                                  [int(sample_ids[r]) for r in rows])
+                rollout_seconds += time.perf_counter() - began
+                for row, p, c, t in zip(rows, *sampled):
+                    prompt_ids[row], completion_ids[row], truncated[row] = p, c, t
+                    completions[row] = self.model.tokenizer.decode(c, skip_special_tokens=True)
+                began = time.perf_counter()
+                scores = self.reward([completions[r] for r in rows],
+                                     [records[r]["prompt"] for r in rows],
+                                     [records[r]["metadata"] for r in rows],
+                                     torch.tensor([len(completion_ids[r]) for r in rows]))
+                reward_seconds += time.perf_counter() - began
+                index = torch.tensor(rows, dtype=torch.long)
+                for name, values in scores.items():
+                    rewards.setdefault(name, torch.full((batch,), float("nan")))[index] = values
+            if not llm.dynamic_sampling:
+                break
+            flat = zero_variance_groups(
+                {k: acc.gather(rewards[k].to(acc.device)).cpu() for k in signal_keys},
+                acc.gather(group_ids.to(acc.device)).cpu())
+            flat_groups = len(flat)
+            if not flat or round_index == rounds - 1:
+                break
+            resampled += len(flat)
+            rows = [r for r in range(batch) if int(group_ids[r]) in flat]
+
+        lengths = torch.tensor([len(c) for c in completion_ids])
+        rollout = TokenRolloutBatch(
+            prompts=[r["prompt"] for r in records], metadata=[r["metadata"] for r in records],
+            group_ids=group_ids, sample_ids=sample_ids, completions=completions,
+            completion_lengths=lengths, truncated=torch.tensor(truncated),
+            nfe=int(lengths.max()) if batch else 0)
+        began = time.perf_counter()
+        rollout.replay = self.build_replays(prompt_ids, completion_ids, truncated)
+        info = {"time/rollout": rollout_seconds + time.perf_counter() - began,
+                "time/reward_wait": 0.0, "time/reward_compute": reward_seconds,
+                "rollout/completion_length": float(lengths.float().mean()),
+                "rollout/truncated_fraction": float(torch.tensor(truncated).float().mean()),
+                "rollout/resampled_groups": float(resampled)}
+        if llm.dynamic_sampling:
+            info["rollout/zero_std_groups"] = float(flat_groups)
+        return rollout, rewards, info
+
+    @torch.no_grad()
+    def build_replays(self, prompt_ids: list[list[int]], completion_ids: list[list[int]],
+                      truncated: list[bool]) -> list[TokenReplayBatch]:
+        """Chunk the rows into ``sampling.rollout_batch_size`` replay batches and score their
+        tokens under the rollout policy in exactly the geometry ``replay_loss`` uses."""
+        size = self.config.sampling.rollout_batch_size
+        device = self.accelerator.device
+        replays = []
+        for start in range(0, len(prompt_ids), size):
+            rows = torch.arange(start, min(start + size, len(prompt_ids)))
+            input_ids, attention_mask, prompt_length = pad_replay_inputs(
+                [prompt_ids[r] for r in rows], [completion_ids[r] for r in rows],
+                self.model.tokenizer.pad_token_id)
+            completion_mask = attention_mask[:, prompt_length:].float()
+            if self.config.llm.mask_truncated:
+                completion_mask[torch.tensor([truncated[r] for r in rows])] = 0.0
+            input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+            with self.accelerator.autocast():
+                logp_old = token_logp(self.module, input_ids, attention_mask, prompt_length,
+                                      self.config.llm.temperature)
+            valid = attention_mask[:, prompt_length:].bool()
+            replays.append(TokenReplayBatch(
+                rows=rows, input_ids=input_ids, attention_mask=attention_mask,
+                completion_mask=completion_mask.to(device),
+                logp_old=torch.where(valid, logp_old, torch.zeros_like(logp_old)),
+                prompt_length=prompt_length))
+        return replays
+
+    def step_weights(self, replays: list) -> list[Tensor]:
+        """Ones (every completion token counts alike). Also fixes the iteration's DAPO token
+        normaliser: the mean number of loss tokens per replay batch over all processes, which
+        with the base loop's division by the batches per step gives sum(l m) / (global tokens)."""
+        acc = self.accelerator
+        tokens = torch.tensor([sum(float(r.completion_mask.sum()) for r in replays),
+                               float(len(replays))], device=acc.device)
+        if acc.num_processes > 1:
+            tokens = acc.gather(tokens.unsqueeze(0)).sum(0)
+        self.tokens_per_replay = max(float(tokens[0]) / max(float(tokens[1]), 1.0), 1.0)
+        return [torch.ones(len(r.rows), device=r.logp_old.device) for r in replays]
+
+    def replay_loss(self, batch: TokenRolloutBatch, replay: TokenReplayBatch, advantages: Tensor,
+                    settings, clip_high: float, weights: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        """token_policy_loss of one replay batch (+ k3 KL to the reference when kl_beta > 0).
+        Returns the loss and detached stats, including ``ratio_max_dev`` (max |ratio - 1| over
+        the generated tokens)."""
+        t, llm = self.config.training, self.config.llm
+        logp = token_logp(self.model.transformer, replay.input_ids, replay.attention_mask,
+                          replay.prompt_length, llm.temperature)
+        logp_ref = None
+        if t.kl_beta > 0:
+            with torch.no_grad(), self.reference_policy():
+                logp_ref = token_logp(self.model.transformer, replay.input_ids,
+                                      replay.attention_mask, replay.prompt_length, llm.temperature)
+        loss, stats = token_policy_loss(
+            logp, replay.logp_old, advantages[replay.rows].to(logp.device), replay.completion_mask,
+            clip_low=t.clip_low, clip_high=clip_high, aggregation=llm.aggregation, level=llm.level,
+            max_len=max(llm.max_new_tokens, logp.shape[1]),
+            num_tokens_global=self.tokens_per_replay if llm.aggregation == "dapo" else None,
+            logp_ref=logp_ref, beta=t.kl_beta)
+        valid = replay.valid_mask
+        deviation = (torch.exp(logp.detach() - replay.logp_old) - 1).abs()
+        stats["ratio_max_dev"] = torch.where(valid, deviation, torch.zeros_like(deviation)).max()
+        stats["policy_loss"] = loss.detach()
+        return loss, stats
+
+    # ------------------------------------------------------------------ evaluation
+    @torch.no_grad()
+    def evaluate(self, iteration: int, save_images: bool = True) -> dict[str, float]:
+        """Held-out prompts, greedy (or ``llm.eval_temperature``): the mean of every reward
+        component, ``eval/accuracy`` (exact match against ``metadata["answer"]``, when the prompts
+        have answers), the mean completion length and truncated fraction. Writes the completions
+        to ``samples/eval_<iteration>.jsonl`` when ``save_images``."""
+        from reward_models.text import ExactMatchReward
+
+        if not self.eval_records:
+            return {}
+        llm = self.config.llm
+        seeds = self.config.prompts.eval_seeds if llm.eval_temperature > 0 else 1
+        records = [r for r in self.eval_records for _ in range(seeds)]
+        prompts = [r["prompt"] for r in records]
+        metadata = [r["metadata"] for r in records]
+        generators = None
+        if llm.eval_temperature > 0:
+            generators = [seeded_generator(self.config.run.seed, "eval", i)
+                          for i in range(len(records))]
+        swap = self.ema.swapped_in() if self.ema is not None else nullcontext()
+        with swap, self.accelerator.autocast():
+            _, completion_ids, truncated = generate_completions(
+                self.module, self.model.tokenizer, prompts, max_new_tokens=llm.max_new_tokens,
+                batch_size=max(self.config.sampling.rollout_batch_size, 64),
+                temperature=llm.eval_temperature or 1.0, top_p=llm.top_p, generators=generators)
+        completions = [self.model.tokenizer.decode(c, skip_special_tokens=True)
+                       for c in completion_ids]
+        lengths = torch.tensor([len(c) for c in completion_ids])
+        scores = self.reward(completions, prompts, metadata, lengths)
+        metrics: dict[str, float] = {}
+        for name, values in scores.items():
+            valid = values[~values.isnan()]
+            metrics[f"eval/{name}"] = float(valid.mean()) if len(valid) else float("nan")
+        if any(m.get("answer") is not None for m in metadata):
+            correct = ExactMatchReward()(completions, prompts, metadata)
+            metrics["eval/accuracy"] = float(correct[~correct.isnan()].mean())
+        metrics["eval/completion_length"] = float(lengths.float().mean())
+        metrics["eval/truncated_fraction"] = float(torch.tensor(truncated).float().mean())
+        if save_images:
+            out = self.run_dir / "samples"
+            out.mkdir(parents=True, exist_ok=True)
+            with open(out / f"eval_{iteration:05d}.jsonl", "w") as f:
+                for i in range(min(len(records), 64)):
+                    f.write(json.dumps({"prompt": prompts[i], "completion": completions[i],
+                                        "total": float(scores["total"][i])}) + "\n")
+        return metrics
+
+    def greedy_completions(self, records: list[dict]) -> dict[str, list]:
+        """Greedy completions of ``records``' prompts (EMA weights when EMA is on):
+        {"completions": [str], "lengths": [tokens]}."""
+        swap = self.ema.swapped_in() if self.ema is not None else nullcontext()
+        with swap, self.accelerator.autocast():
+            _, completion_ids, _ = generate_completions(
+                self.module, self.model.tokenizer, [r["prompt"] for r in records],
+                max_new_tokens=self.config.llm.max_new_tokens,
+                batch_size=max(self.config.sampling.rollout_batch_size, 64))
+        return {"completions": [self.model.tokenizer.decode(c, skip_special_tokens=True)
+                                for c in completion_ids],
+                "lengths": [len(c) for c in completion_ids]}
+
+    @torch.no_grad()
+    def save_grid_samples(self, tag: str) -> None:
+        """Greedy completions of the comparison prompts, saved as ``grid_<tag>.json``."""
+        records = self.grid_records()
+        if records:
+            (self.run_dir / f"grid_{tag}.json").write_text(
+                json.dumps(self.greedy_completions(records)))
+
+    @torch.no_grad()
+    def write_comparison_grid(self) -> Path | None:
+        """runs/<name>/comparison.md: held-out prompts, the base and the final model's greedy
+        completions and their total rewards, one table row per prompt."""
+        base_path = self.run_dir / "grid_base.json"
+        records = self.grid_records()
+        if not base_path.is_file() or not records:
+            return None
+        self.save_grid_samples("final")
+        prompts = [r["prompt"] for r in records]
+        metadata = [r["metadata"] for r in records]
+        saved = [json.loads(base_path.read_text()),
+                 json.loads((self.run_dir / "grid_final.json").read_text())]
+        columns = [s["completions"] for s in saved]
+        scores = [self.reward(s["completions"], prompts, metadata, torch.tensor(s["lengths"]))["total"]
+                  for s in saved]
+        lines = [f"| prompt | base | iteration {self.config.run.max_iterations} |", "|---|---|---|"]
+        for row, prompt in enumerate(prompts):
+            cells = [f"`{columns[c][row]}` ({float(scores[c][row]):.2f})" for c in range(2)]
+            lines.append(f"| `{prompt}` | {cells[0]} | {cells[1]} |")
+        path = self.run_dir / "comparison.md"
+        path.write_text("\n".join(lines) + "\n")
+        return path
+
+    # ------------------------------------------------------------------ checkpoints
+    def save_policy_weights(self, folder: str) -> None:
+        """``save_pretrained`` of the policy and its tokenizer: with LoRA the PEFT adapter
+        (``PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), folder)`` or
+        ``model.load_adapter(folder)``), else the full model (``from_pretrained(folder)``)."""
+        self.module.save_pretrained(folder)
+        self.model.tokenizer.save_pretrained(folder)
+
+
+def build_char_tokenizer(alphabet: str, folder: str | Path | None = None):
+    """A character-level ``PreTrainedTokenizerFast`` built offline: one token per character of
+    ``alphabet`` plus <pad>=0, <bos>=1, <eos>=2, <unk>=3; encoding prepends <bos>, decoding
+    concatenates characters. Saved to ``folder`` when given (AutoTokenizer-loadable)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    if len(set(alphabet)) != len(alphabet):
+        raise ValueError(f"alphabet must not repeat characters (got {alphabet!r})")
+    vocab = {token: i for i, token in enumerate(["<pad>", "<bos>", "<eos>", "<unk>", *alphabet])}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    backend.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", 1)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<bos>",
+                                        eos_token="<eos>", pad_token="<pad>", unk_token="<unk>",
+                                        padding_side="left", clean_up_tokenization_spaces=False)
+    if folder is not None:
+        tokenizer.save_pretrained(str(folder))
+    return tokenizer
