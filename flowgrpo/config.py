@@ -74,6 +74,10 @@ class PromptsConfig:
         "'family') instead of uniformly over prompts; None = uniform over prompts.", default=None)
     num_eval: int = _help("Number of held-out prompts per evaluation (0 = all).", default=0)
     eval_seeds: int = _help("Samples per held-out prompt at evaluation.", default=1)
+    eval_per_family: int = _help(
+        "If > 0: evaluate exactly this many samples per metadata['family'] (cycling through the "
+        "family's prompts with new seeds), so rare families are measured as precisely as common "
+        "ones; eval_seeds is then ignored.", default=0)
 
 
 @dataclass

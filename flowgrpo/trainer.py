@@ -371,14 +371,24 @@ class Trainer:
         return torch.cat([self.model.initial_noise(1, seeded_generator(self.config.run.seed, "eval", i))
                           for i in range(count)])
 
+    def eval_samples(self) -> list[dict]:
+        """The held-out records to sample at evaluation, one entry per sample (fixed noise each)."""
+        p = self.config.prompts
+        if p.eval_per_family <= 0:
+            return [r for r in self.eval_records for _ in range(p.eval_seeds)]
+        by_family: dict[str, list[dict]] = {}
+        for record in self.eval_records:
+            by_family.setdefault(str(record["metadata"].get("family")), []).append(record)
+        return [records[k % len(records)] for records in by_family.values()
+                for k in range(p.eval_per_family)]
+
     @torch.no_grad()
     def evaluate(self, iteration: int, save_images: bool = True) -> dict[str, float]:
         """Deterministic-sampler rewards on the held-out prompts, per component and per family."""
         if not self.eval_records:
             return {}
         s = self.config.sampling
-        seeds = self.config.prompts.eval_seeds
-        records = [r for r in self.eval_records for _ in range(seeds)]
+        records = self.eval_samples()
         prompts = [r["prompt"] for r in records]
         metadata = [r["metadata"] for r in records]
         guidance = s.guidance_scale if s.eval_guidance_scale is None else s.eval_guidance_scale
