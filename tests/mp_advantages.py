@@ -24,3 +24,6 @@ record = {
 if acc.is_main_process:
     with open(out_path, "w") as f:
         json.dump(record, f)
+acc.wait_for_everyone()
+if torch.distributed.is_initialized():
+    torch.distributed.destroy_process_group()   # a clean gloo shutdown (no abort at exit)
