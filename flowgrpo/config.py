@@ -15,6 +15,7 @@ A config file mirrors ``TrainConfig``::
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import types
 import typing
@@ -324,7 +325,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections")
     if data is not None:
-        raw = _merge(raw, data)
+        # Deep-copied so that overrides never write into the caller's dicts.
+        raw = _merge(raw, copy.deepcopy(data))
     for key, value in parse_overrides(overrides or []):
         _set_dotted(raw, key, value)
     config = _build(TrainConfig, raw, "")

@@ -93,3 +93,9 @@ def test_cli_reports_bad_config_in_one_line(tmp_path, capsys):
     assert main(["train", str(path)]) == 2
     err = capsys.readouterr().err
     assert "training.group_size" in err and "Traceback" not in err
+
+
+def test_overrides_do_not_mutate_the_callers_data():
+    data = base(training={"lr": 1e-4})
+    load_config(data=data, overrides=["training.lr=1e-5", "training.ratio_norm=true"])
+    assert data["training"] == {"lr": 1e-4}
