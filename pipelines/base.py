@@ -58,6 +58,23 @@ class Conditioning:
         return Conditioning(move(self.positive), move(self.negative), move(self.extra))
 
 
+def guided_velocity(forward, latents: Tensor, timestep: Tensor, positive: dict[str, Tensor],
+                    negative: dict[str, Tensor] | None, guidance_scale: float) -> Tensor:
+    """Classifier-free guidance in one batched forward, shared by every real-CFG family.
+
+    ``forward(latents, timestep, text)`` runs the transformer on (N, ...) latents, (N,) timesteps
+    and a dict of (N, ...) text tensors and returns float32 velocities. With ``negative`` None it
+    is called once on the positive branch; otherwise on [negative; positive] and combined as
+    ``v_neg + g (v_pos - v_neg)``.
+    """
+    if negative is None:
+        return forward(latents, timestep, positive)
+    text = {key: torch.cat([negative[key].to(value), value]) for key, value in positive.items()}
+    v_neg, v_pos = forward(torch.cat([latents, latents]), torch.cat([timestep, timestep]),
+                           text).chunk(2)
+    return v_neg + guidance_scale * (v_pos - v_neg)
+
+
 @runtime_checkable
 class FlowModel(Protocol):
     """A text-to-image/video flow-matching model seen as a velocity field.

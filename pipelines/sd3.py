@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from pipelines.base import (AdapterOptions, Conditioning, DiffusersFlowModel, check_divisible,
+                            guided_velocity,
                             check_pipeline_folder, parse_options, require_attention_backend,
                             resolve_dtype, text_model_dtype)
 
@@ -165,21 +166,16 @@ class SD3Model(DiffusersFlowModel):
         use_cfg = self._use_cfg(cond, guidance_scale)
         hidden = latents.to(self.device, self.dtype)
         timestep = 1000.0 * sigma
-        text = cond.positive["prompt_embeds"]
-        pooled = cond.positive["pooled_prompt_embeds"]
-        if use_cfg:
-            hidden = torch.cat([hidden, hidden])
-            timestep = torch.cat([timestep, timestep])
-            text = torch.cat([cond.negative["prompt_embeds"], text])
-            pooled = torch.cat([cond.negative["pooled_prompt_embeds"], pooled])
-        out = self.transformer(hidden_states=hidden, timestep=timestep,
-                               encoder_hidden_states=text.to(self.device, self.dtype),
-                               pooled_projections=pooled.to(self.device, self.dtype),
-                               return_dict=False)[0].float()
-        if use_cfg:
-            v_neg, v_pos = out.chunk(2)
-            return v_neg + guidance_scale * (v_pos - v_neg)
-        return out
+        keys = ("prompt_embeds", "pooled_prompt_embeds")
+
+        def forward(hidden: Tensor, timestep: Tensor, text: dict[str, Tensor]) -> Tensor:
+            return self.transformer(hidden_states=hidden, timestep=timestep,
+                                    encoder_hidden_states=text["prompt_embeds"].to(self.device, self.dtype),
+                                    pooled_projections=text["pooled_prompt_embeds"].to(self.device, self.dtype),
+                                    return_dict=False)[0].float()
+
+        return guided_velocity(forward, hidden, timestep, {k: cond.positive[k] for k in keys},
+                               cond.negative if use_cfg else None, guidance_scale)
 
     def decode(self, latents: Tensor) -> Tensor:
         """Images (B, 3, H, W) float32 in [0, 1] from latents (B, C, H/8, W/8)."""

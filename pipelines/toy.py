@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field, fields
 import torch
 from torch import Tensor
 
-from pipelines.base import Conditioning
+from pipelines.base import Conditioning, guided_velocity
 
 TOY_CONFIG_NAME = "toy_config.json"
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[BOS]", "[EOS]")   # ids 0..3; EOS != 2 (CLIP's legacy pooling)
@@ -277,19 +277,16 @@ class ToyFlowModel:
         use_cfg = guidance_scale > 1.0 and cond.negative is not None
         x = latents.to(self.device, self.dtype)
         timestep = (1000.0 * sigma).to(self.device, self.dtype)
-        states = cond.positive["prompt_embeds"].to(self.device, self.dtype)
-        pooled = cond.positive["pooled_prompt_embeds"].to(self.device, self.dtype)
-        if use_cfg:
-            x = torch.cat([x, x])
-            timestep = torch.cat([timestep, timestep])
-            states = torch.cat([cond.negative["prompt_embeds"].to(states), states])
-            pooled = torch.cat([cond.negative["pooled_prompt_embeds"].to(pooled), pooled])
-        v = self.transformer(hidden_states=x, encoder_hidden_states=states, pooled_projections=pooled,
-                             timestep=timestep, return_dict=False)[0].float()
-        if use_cfg:
-            v_neg, v_pos = v.chunk(2)
-            v = v_neg + guidance_scale * (v_pos - v_neg)
-        return v
+        positive = {k: cond.positive[k].to(self.device, self.dtype)
+                    for k in ("prompt_embeds", "pooled_prompt_embeds")}
+
+        def forward(x: Tensor, timestep: Tensor, text: dict[str, Tensor]) -> Tensor:
+            return self.transformer(hidden_states=x, encoder_hidden_states=text["prompt_embeds"],
+                                    pooled_projections=text["pooled_prompt_embeds"],
+                                    timestep=timestep, return_dict=False)[0].float()
+
+        return guided_velocity(forward, x, timestep, positive,
+                               cond.negative if use_cfg else None, guidance_scale)
 
     def decode(self, latents: Tensor) -> Tensor:
         """Images (B, 3, H, W) float32 in [0, 1]: (x + 1) / 2, clamped."""
