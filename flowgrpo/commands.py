@@ -560,6 +560,12 @@ def reward_statistics(scores: dict[str, Tensor], families: list[str | None]) -> 
     for family in sorted({f for f in families if f is not None}):
         mask = torch.tensor([f == family for f in families])
         out["families"][family] = {key: stats(values[mask]) for key, values in scores.items()}
+    if out["families"]:
+        # GenEval's overall score: the mean over task families, not over samples.
+        out["family_mean"] = {
+            key: (None if any(f[key]["mean"] is None for f in out["families"].values()) else
+                  sum(f[key]["mean"] for f in out["families"].values()) / len(out["families"]))
+            for key in scores}
     return out
 
 
@@ -579,6 +585,10 @@ def format_table(statistics: dict) -> str:
     lines = ["  ".join(text.ljust(width) for text, width in zip(row, widths)).rstrip()
              for row in table]
     lines.insert(1, "  ".join("-" * width for width in widths))
+    if statistics.get("family_mean"):
+        lines.append("family mean (GenEval overall): " + ", ".join(
+            f"{key} {value:.4f}" for key, value in statistics["family_mean"].items()
+            if value is not None))
     return "\n".join(lines)
 
 
@@ -648,8 +658,12 @@ def run_eval(args: argparse.Namespace) -> int:
         rows = [(record, seed) for record in records for seed in seeds]
         noise = seed_noise(model, [seed for _, seed in rows])
     else:
-        # The trainer's evaluation noise (Trainer.eval_noise): its numbers are reproduced.
-        rows = [(record, None) for record in records for _ in range(config.prompts.eval_seeds)]
+        # The trainer's evaluation samples and noise (Trainer.eval_samples / eval_noise): its
+        # eval/ metrics are reproduced, including eval_per_family's balanced selection.
+        from flowgrpo.prompts import eval_selection
+
+        selection = eval_selection(records, config.prompts.eval_per_family, config.prompts.eval_seeds)
+        rows = [(record, None) for record in selection]
         noise = torch.cat([model.initial_noise(1, seeded_generator(config.run.seed, "eval", i))
                            for i in range(len(rows))])
     prompts = [record["prompt"] for record, _ in rows]

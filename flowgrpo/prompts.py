@@ -65,3 +65,20 @@ def sample_groups(records: list[dict], num_groups: int, seed: int, iteration: in
     while len(order) < num_groups:
         order += torch.randperm(len(records), generator=generator).tolist()
     return [records[i] for i in order[:num_groups]]
+
+
+def eval_selection(records: list[dict], eval_per_family: int = 0, eval_seeds: int = 1) -> list[dict]:
+    """The held-out records to sample at evaluation, one entry per sample (each gets its own noise).
+
+    ``eval_per_family > 0``: exactly that many samples per ``metadata["family"]``, cycling through a
+    family's prompts (so a family with one held-out prompt is measured with many seeds as precisely
+    as a family with forty); otherwise every record ``eval_seeds`` times. Shared by the trainer's
+    evaluation and ``flowgrpo eval CONFIG`` so both score the same samples.
+    """
+    if eval_per_family <= 0:
+        return [r for r in records for _ in range(eval_seeds)]
+    by_family: dict[str, list[dict]] = {}
+    for record in records:
+        by_family.setdefault(str(record["metadata"].get("family")), []).append(record)
+    return [family_records[k % len(family_records)] for family_records in by_family.values()
+            for k in range(eval_per_family)]

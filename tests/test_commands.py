@@ -217,21 +217,29 @@ def test_eval_reports_statistics_per_component_and_family(tiny_sd3_path, workdir
     assert result["families"]["colors"]["brightness"]["mean"] == pytest.approx(float(colors.mean()),
                                                                               abs=1e-6)
     assert result["families"]["counting"]["brightness"]["count"] == 2
+    counting = brightness[[2, 3]]
+    assert result["family_mean"]["brightness"] == pytest.approx(
+        float(colors.mean() + counting.mean()) / 2, abs=1e-6)
     table = capsys.readouterr().out
     assert "colors" in table and "counting" in table and "brightness" in table
+    assert "family mean" in table
 
 
 def test_eval_from_config_reproduces_the_trainers_evaluation(tiny_sd3_path, workdir):
     from flowgrpo.config import load_config
     from flowgrpo.trainer import Trainer
 
-    (workdir / "eval_prompts.txt").write_text("a green cat\na red square\n")
+    # Families of unequal size: eval_per_family must cycle the one-prompt family through seeds.
+    (workdir / "eval_prompts.jsonl").write_text("".join(
+        json.dumps({"prompt": p, "metadata": {"family": f}}) + "\n"
+        for p, f in [("a green cat", "animals"), ("a red square", "shapes"),
+                     ("a blue circle", "shapes")]))
     data = {
         "name": "evalrun",
         "model": {"family": "sd3", "path": tiny_sd3_path, "options": dict(OPTIONS),
                   "lora": {"rank": 4, "alpha": 8}},
-        "prompts": {"train": str(workdir / "prompts.txt"), "eval": str(workdir / "eval_prompts.txt"),
-                    "eval_seeds": 2},
+        "prompts": {"train": str(workdir / "prompts.txt"),
+                    "eval": str(workdir / "eval_prompts.jsonl"), "eval_per_family": 3},
         "sampling": {"num_steps": 2, "eval_num_steps": STEPS, "rollout_batch_size": 4},
         "training": {"prompts_per_iteration": 2, "group_size": 2},
         "rewards": {"components": [{"name": "tests.helpers:Brightness"}], "threaded": False},
@@ -244,9 +252,16 @@ def test_eval_from_config_reproduces_the_trainers_evaluation(tiny_sd3_path, work
     result = json.loads(out.read_text())
     # A fresh trainer's LoRA is a no-op (B = 0), so its evaluation is the base model's.
     metrics = Trainer(load_config(data=data)).evaluate(0, save_images=False)
-    assert result["num_samples"] == 4
+    assert result["num_samples"] == 6
+    assert [s["prompt"] for s in result["samples"]] == (
+        ["a green cat"] * 3 + ["a red square", "a blue circle", "a red square"])
     assert result["rewards"]["brightness"]["mean"] == pytest.approx(metrics["eval/brightness"],
                                                                     abs=1e-6)
+    for family in ("animals", "shapes"):
+        assert result["families"][family]["brightness"]["mean"] == pytest.approx(
+            metrics[f"eval/brightness/{family}"], abs=1e-6)
+    assert result["family_mean"]["brightness"] == pytest.approx(
+        metrics["eval/brightness/family_mean"], abs=1e-6)
 
 
 # ------------------------------------------------------------------------------ errors
