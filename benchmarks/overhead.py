@@ -23,7 +23,7 @@ update = ``time/update`` (replay forwards, backwards, optimiser steps). "total" 
 The overhead (wall - model) is broken down by timing, the same way, what the loop calls besides
 the model: "maths" = the SDE transitions / DPM steps / policy loss (``flowgrpo.rollout.transition``,
 ``dpmpp_2m_step``, ``flowgrpo.trainer.policy_loss``, ``guard_log_ratio``, ``flow_kl``), "noise" =
-per-sample seeded noise (``step_noise``, ``initial_noise``), "cond" = ``encode_prompts`` minus the
+per-sample seeded noise (``StepNoise``, ``initial_noise``), "cond" = ``encode_prompts`` minus the
 text encoders' own forward (the prompt-cache lookups), "adapt" = ``model.velocity`` minus the
 transformer forward (the adapter's own tensor handling), "optim" = ``optimizer_step``; "rest" is
 everything else (loop bookkeeping, stats, hooks).
@@ -163,7 +163,8 @@ def timed_functions(clock: ModelClock, device: torch.device) -> Iterator[None]:
 
     targets = [(rollout_module, "transition", "maths"), (rollout_module, "dpmpp_2m_step", "maths"),
                (trainer_module, "policy_loss", "maths"), (trainer_module, "guard_log_ratio", "maths"),
-               (trainer_module, "flow_kl", "maths"), (rollout_module, "step_noise", "noise"),
+               (trainer_module, "flow_kl", "maths"), (rollout_module.StepNoise, "__init__", "noise"),
+               (rollout_module.StepNoise, "__call__", "noise"),
                (rollout_module, "initial_noise", "noise")]
     saved = [(module, name, getattr(module, name)) for module, name, _ in targets]
     for module, name, kind in targets:

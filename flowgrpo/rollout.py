@@ -92,13 +92,34 @@ def initial_noise(model: FlowModel, group_ids: Tensor, sample_ids: Tensor, setti
     return torch.cat(draws).to(torch.float32)
 
 
-def step_noise(shape: tuple[int, ...], sample_ids: Tensor, step: int, settings: RolloutSettings
-               ) -> Tensor:
-    """(b, ...) standard normal noise of one SDE step, one independent draw per sample."""
-    return torch.stack([
-        torch.randn(shape, generator=seeded_generator(settings.seed, settings.iteration, "sde",
-                                                      sample_id, step))
-        for sample_id in sample_ids.tolist()])
+class StepNoise:
+    """Standard normal noise of a plan's SDE steps, one independent stream per sample.
+
+    Each sample's stream is seeded by (seed, iteration, sample id) alone, so its noise does not
+    depend on which process or batch rolls it out. The steps are drawn in plan order from one
+    generator per sample (seeding once per rollout, not per step, matters when a transformer call
+    takes a millisecond); a step before the first one asked for is drawn and discarded, so a
+    sample's noise at a step is the same whether or not a shared prefix was split off.
+    """
+
+    def __init__(self, shape: tuple[int, ...], sample_ids: Tensor, steps: list[int],
+                 settings: RolloutSettings):
+        self.shape = shape
+        self.steps = sorted(steps)
+        self.position = 0
+        self.generators = [seeded_generator(settings.seed, settings.iteration, "sde", sample_id)
+                           for sample_id in sample_ids.tolist()] if steps else []
+
+    def __call__(self, step: int) -> Tensor:
+        """(b, ...) noise of ``step`` (steps must be asked for in increasing order)."""
+        while True:
+            if self.position >= len(self.steps) or self.steps[self.position] > step:
+                raise ValueError(f"step {step} is not a remaining SDE step of the plan "
+                                 f"{self.steps[self.position:]}")
+            draws = torch.stack([torch.randn(self.shape, generator=g) for g in self.generators])
+            self.position += 1
+            if self.steps[self.position - 1] == step:
+                return draws
 
 
 def run_plan(model: FlowModel, plan: StepPlan, latents: Tensor, cond: Conditioning,
@@ -120,6 +141,9 @@ def run_plan(model: FlowModel, plan: StepPlan, latents: Tensor, cond: Conditioni
     calls = 0
     b = latents.shape[0]
     x = latents.to(device, torch.float32)
+    step_noise = StepNoise(tuple(x.shape[1:]), sample_ids,
+                           plan.stochastic if stochastic & set(range(first_step, last_step)) else [],
+                           settings)
     for i in range(first_step, last_step):
         sigma = plan.sigmas[i].expand(b).to(device, torch.float32)
         sigma_next = plan.sigmas[i + 1].expand(b).to(device, torch.float32)
@@ -127,7 +151,7 @@ def run_plan(model: FlowModel, plan: StepPlan, latents: Tensor, cond: Conditioni
                                   settings.guidance_scale).to(torch.float32)
         calls += 1
         if i in stochastic:
-            noise = step_noise(tuple(x.shape[1:]), sample_ids, i, settings).to(device)
+            noise = step_noise(i).to(device)
             out = transition(settings.kind, velocity, x, sigma, sigma_next,
                              noise_level=settings.noise_level, noise=noise, validate=False)
             if i in trained:

@@ -24,7 +24,7 @@ from flowgrpo.ema import EMA
 from flowgrpo.losses import (flow_kl, guard_log_ratio, guard_step_weights, policy_loss,
                              rectification_weights)
 from flowgrpo.plans import make_plan
-from flowgrpo.prompts import load_prompts, sample_groups
+from flowgrpo.prompts import eval_selection, load_prompts, sample_groups
 from flowgrpo.rollout import (RolloutBatch, RolloutSettings, replay_logp, rollout, sample_ode,
                               seeded_generator)
 
@@ -136,8 +136,11 @@ class Trainer:
                                   "'flowgrpo[gpu]'") from err
             return bnb.optim.AdamW8bit(params, lr=t.lr, betas=t.adam_betas,
                                        weight_decay=t.weight_decay, eps=t.adam_eps)
+        # The fused kernel updates every tensor in one call: on CPU ~8x faster than the per-tensor
+        # loop for the toy model's ~200 small tensors (same AdamW maths, float rounding aside).
+        fused = all(p.dtype.is_floating_point and p.device.type in ("cpu", "cuda") for p in params)
         return torch.optim.AdamW(params, lr=t.lr, betas=t.adam_betas, weight_decay=t.weight_decay,
-                                 eps=t.adam_eps)
+                                 eps=t.adam_eps, fused=fused or None)
 
     @contextmanager
     def reference_policy(self):
@@ -374,13 +377,7 @@ class Trainer:
     def eval_samples(self) -> list[dict]:
         """The held-out records to sample at evaluation, one entry per sample (fixed noise each)."""
         p = self.config.prompts
-        if p.eval_per_family <= 0:
-            return [r for r in self.eval_records for _ in range(p.eval_seeds)]
-        by_family: dict[str, list[dict]] = {}
-        for record in self.eval_records:
-            by_family.setdefault(str(record["metadata"].get("family")), []).append(record)
-        return [records[k % len(records)] for records in by_family.values()
-                for k in range(p.eval_per_family)]
+        return eval_selection(self.eval_records, p.eval_per_family, p.eval_seeds)
 
     @torch.no_grad()
     def evaluate(self, iteration: int, save_images: bool = True) -> dict[str, float]:

@@ -307,3 +307,31 @@ def test_step_plan_validation_and_identity():
     gapped = StepPlan(sigmas, (1, 3), (3,), "dpmpp_2m", 1)
     assert [gapped.solver_for(i) for i in range(6)] == ["euler", "sde", "euler", "sde",
                                                         "dpmpp_2m", "dpmpp_2m"]
+
+
+# ------------------------------------------------------------------------- SDE noise streams
+
+
+def test_step_noise_is_per_sample_and_independent_of_batching_and_start():
+    from flowgrpo.rollout import RolloutSettings, StepNoise
+
+    settings = RolloutSettings(kind="flow_sde", noise_level=0.7, guidance_scale=1.0, batch_size=4,
+                               share_initial_noise=True, seed=3, iteration=5)
+    steps = [1, 4, 6]
+    together = StepNoise((2, 3), torch.tensor([7, 9, 11]), steps, settings)
+    draws = {step: together(step) for step in steps}
+    assert draws[1].shape == (3, 2, 3)
+    # Sample 9 alone, starting at a later step (a split-off prefix): the same values.
+    alone = StepNoise((2, 3), torch.tensor([9]), steps, settings)
+    assert torch.equal(alone(4)[0], draws[4][1]) and torch.equal(alone(6)[0], draws[6][1])
+    # Different samples, steps, iterations and seeds get different noise.
+    assert not torch.equal(draws[1][0], draws[1][1]) and not torch.equal(draws[1][0], draws[4][0])
+    other = RolloutSettings(**{**settings.__dict__, "iteration": 6})
+    assert not torch.equal(StepNoise((2, 3), torch.tensor([7]), steps, other)(1)[0], draws[1][0])
+    # Unit normal: mean ~0, variance ~1 over many samples.
+    many = StepNoise((64,), torch.arange(256), steps, settings)(1)
+    assert abs(float(many.mean())) < 0.02 and abs(float(many.var()) - 1) < 0.03
+    with pytest.raises(ValueError, match="not a remaining SDE step"):
+        together(5)
+    with pytest.raises(ValueError, match="not a remaining SDE step"):
+        StepNoise((2,), torch.tensor([0]), steps, settings)(2)
