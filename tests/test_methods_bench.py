@@ -153,6 +153,15 @@ def test_plot_writes_a_png(bench, records, tmp_path):
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_accuracy_label_says_when_the_evaluation_is_on_trained_prompts(bench):
+    def records_with(train, evaluation):
+        config = {"prompts": {"train": train, "eval": evaluation}}
+        return {"methods": {"a": {"config": config}, "b": {"config": config}}}
+
+    assert bench.accuracy_label(records_with("toy:train", "toy:heldout")).startswith("held-out")
+    assert "trained prompts" in bench.accuracy_label(records_with("one.jsonl", "one.jsonl"))
+
+
 def test_bad_arguments_name_the_fix(bench, tmp_path):
     with pytest.raises(ValueError, match="unknown method nope"):
         bench.parse_methods("flow_grpo,nope")
