@@ -44,8 +44,8 @@ def test_one_iteration_of_the_default_config(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.xfail(strict=False, reason="issue 8 open: on the 35.8% base the training reward does "
-                   "not yet rise by 2 SEM in 40 iterations (measured 2026-11-30 with partial "
-                   "credit; the exact-reward default is not measured on this test)")
+                   "not yet rise by 2 SEM in 40 iterations (measured 2026-11-30, with the "
+                   "partial-credit and with the exact-reward default)")
 def test_training_reward_rises_on_the_toy_world(tmp_path):
     """A reduced default run on 8 fixed training prompts (every iteration sees all of them, so
     prompt mix does not drown the signal): the training reward rises within 40 iterations.
