@@ -116,6 +116,9 @@ class TrainingConfig:
                                        default=8)
     group_size: int = _help("Samples per prompt (group). Flow-GRPO: 24.", default=8)
     lr: float = _help("AdamW learning rate. Flow-GRPO LoRA: 3e-4.", default=3e-4)
+    lr_warmup_iterations: int = _help(
+        "Linear lr warmup over this many iterations (0: constant lr). Fresh Adam moments make the "
+        "first steps sign-like and lr-sized on every weight.", default=0)
     weight_decay: float = _help("AdamW weight decay.", default=1e-4)
     adam_betas: tuple[float, float] = _help("AdamW betas.", default=(0.9, 0.999))
     adam_eps: float = _help("AdamW epsilon.", default=1e-8)
@@ -404,6 +407,7 @@ def validate(config: TrainConfig, num_processes: int = 1) -> None:
         raise ConfigError("training.group_size is 1, so group statistics are undefined: use "
                           "group_size >= 2 (GRPO needs several samples per prompt)")
     _positive(t.lr, "training.lr")
+    _positive(t.lr_warmup_iterations, "training.lr_warmup_iterations", allow_zero=True)
     _positive(t.clip_low, "training.clip_low")
     if t.clip_low > 1:
         raise ConfigError(f"training.clip_low must be <= 1 so that 1 - clip_low >= 0 "

@@ -60,8 +60,8 @@ def _check_sigmas(sigma: Tensor, sigma_next: Tensor) -> None:
 
 
 def policy_loss(logp: Tensor, logp_old: Tensor, advantages: Tensor, clip_low: float, clip_high: float, *,
-                weights: Tensor | None = None,
-                log_ratio: Tensor | None = None) -> tuple[Tensor, dict[str, Tensor]]:
+                weights: Tensor | None = None, log_ratio: Tensor | None = None,
+                with_stats: bool = True) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped surrogate over a batch of transitions.
 
     ratio r = exp(logp - logp_old), or exp(log_ratio) when ``log_ratio`` is given (e.g. from
@@ -85,12 +85,12 @@ def policy_loss(logp: Tensor, logp_old: Tensor, advantages: Tensor, clip_low: fl
         clip_low, clip_high: the ratio is clipped to [1 - clip_low, 1 + clip_high].
         weights: (B,) >= 0 per-sample weights; default ones.
         log_ratio: (B,) log r to use instead of logp - logp_old.
+        with_stats: compute ``surrogate_stats`` (False: an empty dict; the caller gathers them).
 
     Returns:
-        scalar loss, and detached stats over the rows with w > 0: ``clip_fraction`` (ratio
-        outside the clip range, PPO's clipfrac), ``clip_fraction_active`` (outside on the side
-        where the gradient is zeroed), ``ratio_mean``, ``ratio_min``, ``ratio_max`` and
-        ``approx_kl``, the k3 estimator mean((r - 1) - log r) >= 0 of KL(old || new).
+        scalar loss, and ``surrogate_stats`` of the batch (detached, over the rows with w > 0):
+        ``clip_fraction`` (PPO's clipfrac), ``clip_fraction_active``, ``ratio_mean``,
+        ``ratio_min``, ``ratio_max`` and ``approx_kl``.
     """
     _check_clip(clip_low, clip_high)
     if logp.dim() != 1:
@@ -120,9 +120,30 @@ def policy_loss(logp: Tensor, logp_old: Tensor, advantages: Tensor, clip_low: fl
     per_sample = torch.maximum(-advantages * ratio, -advantages * ratio_clipped)
     per_sample = torch.where(kept, per_sample, torch.zeros_like(per_sample))
     loss = (weights * per_sample).sum() / kept.sum().clamp(min=1).to(dtype)
+    if not with_stats:
+        return loss, {}
+    return loss, surrogate_stats(log_ratio.detach(), advantages, clip_low, clip_high, weights)
 
+
+def surrogate_stats(log_ratio: Tensor, advantages: Tensor, clip_low: float, clip_high: float,
+                    weights: Tensor | None = None) -> dict[str, Tensor]:
+    """PPO diagnostics of a batch of transitions, detached 0-d tensors over the rows with w > 0.
+
+    log_ratio, advantages, weights: (B,) (weights default ones). Returns ``clip_fraction`` (ratio
+    outside [1 - clip_low, 1 + clip_high]), ``clip_fraction_active`` (outside on the side the
+    advantage pushes towards, where the gradient is zeroed), ``ratio_mean``, ``ratio_min``,
+    ``ratio_max`` and ``approx_kl`` = mean((r - 1) - log r), the k3 estimate of KL(old || new).
+    With no row kept: fractions and ``approx_kl`` 0, ratios 1. The trainer calls this once per
+    update on the concatenated rows of every replay batch, instead of once per replay batch: at
+    CPU sizes each of these ~30 small ops costs as much as a large one.
+    """
     with torch.no_grad():
-        r = ratio.detach()
+        log_ratio = log_ratio.detach()
+        dtype = log_ratio.dtype
+        kept = torch.ones_like(log_ratio, dtype=torch.bool) if weights is None else weights > 0
+        log_ratio = torch.where(kept, log_ratio, torch.zeros_like(log_ratio))
+        advantages = advantages.detach().to(dtype)
+        r = torch.exp(log_ratio)
         low, high = r < 1 - clip_low, r > 1 + clip_high
         active = (low & (advantages < 0)) | (high & (advantages > 0))
         count = kept.sum().clamp(min=1).to(dtype)
@@ -131,17 +152,17 @@ def policy_loss(logp: Tensor, logp_old: Tensor, advantages: Tensor, clip_low: fl
             return torch.where(kept, x.to(dtype), torch.zeros_like(r)).sum() / count
 
         any_kept = kept.any()
-        stats = {
+        one = torch.ones((), dtype=dtype, device=r.device)
+        return {
             "clip_fraction": kept_mean(low | high),
             "clip_fraction_active": kept_mean(active),
-            "ratio_mean": kept_mean(r),
+            "ratio_mean": torch.where(any_kept, kept_mean(r), one),
             "ratio_min": torch.where(any_kept, torch.where(kept, r, torch.full_like(r, torch.inf)).min(),
-                                     torch.ones((), dtype=dtype, device=r.device)),
+                                     one),
             "ratio_max": torch.where(any_kept, torch.where(kept, r, torch.full_like(r, -torch.inf)).max(),
-                                     torch.ones((), dtype=dtype, device=r.device)),
-            "approx_kl": kept_mean((r - 1) - log_ratio.detach()),
+                                     one),
+            "approx_kl": kept_mean((r - 1) - log_ratio),
         }
-    return loss, stats
 
 
 def guard_log_ratio(logp: Tensor, logp_old: Tensor, mean: Tensor, mean_old: Tensor, std: Tensor) -> Tensor:

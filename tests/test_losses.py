@@ -6,7 +6,8 @@ import math
 import pytest
 import torch
 
-from flowgrpo.losses import flow_kl, guard_log_ratio, guard_step_weights, policy_loss, rectification_weights
+from flowgrpo.losses import (flow_kl, guard_log_ratio, guard_step_weights, policy_loss, rectification_weights,
+                             surrogate_stats)
 
 LOG_2PI = math.log(2 * math.pi)
 
@@ -44,6 +45,29 @@ def test_policy_loss_closed_form():
     assert stats["ratio_mean"].item() == pytest.approx(sum(math.exp(x) for x in logp.tolist()) / 5, rel=1e-6)
     assert stats["approx_kl"].item() == pytest.approx(sum(kl) / 5, rel=1e-5)
     assert not any(v.requires_grad for v in stats.values())
+
+
+def test_surrogate_stats_over_concatenated_batches_equal_the_whole_batch():
+    """The trainer computes the stats once on the concatenated rows of all replay batches: they
+    must be those of one policy_loss call on the whole batch, with masked rows left out."""
+    gen = torch.Generator().manual_seed(3)
+    logp = torch.randn(12, generator=gen) * 0.2
+    advantages = torch.randn(12, generator=gen)
+    weights = torch.tensor([1.0, 0.0, 2.0] * 4)
+    _, whole = policy_loss(logp, torch.zeros(12), advantages, 0.1, 0.15, weights=weights)
+    parts = [slice(0, 5), slice(5, 7), slice(7, 12)]
+    assert policy_loss(logp[parts[0]], torch.zeros(5), advantages[parts[0]], 0.1, 0.15,
+                       with_stats=False)[1] == {}
+    joined = surrogate_stats(torch.cat([logp[p] for p in parts]), torch.cat([advantages[p] for p in parts]),
+                             0.1, 0.15, torch.cat([weights[p] for p in parts]))
+    for key, value in whole.items():
+        torch.testing.assert_close(joined[key], value)
+    kept = logp[weights > 0]
+    assert joined["ratio_max"].item() == pytest.approx(math.exp(kept.max().item()), rel=1e-6)
+    empty = surrogate_stats(logp, advantages, 0.1, 0.1, torch.zeros(12))
+    assert {k: v.item() for k, v in empty.items()} == {
+        "clip_fraction": 0.0, "clip_fraction_active": 0.0, "ratio_mean": 1.0, "ratio_min": 1.0,
+        "ratio_max": 1.0, "approx_kl": 0.0}
 
 
 def test_on_policy_gradient_step_increases_logp_of_positive_advantage():

@@ -82,7 +82,7 @@ def test_nan_rewards_are_masked_and_counted(tiny_sd3_path, tmp_path):
 
 def test_resume_equals_uninterrupted_run(tiny_sd3_path, tmp_path):
     common = ["sampling.plan.kind=branch", "sampling.plan.window_size=2", "run.max_iterations=3",
-              "training.ema.enabled=true", "training.ema.every=1"]
+              "training.ema.enabled=true", "training.ema.every=1", "training.lr_warmup_iterations=3"]
     full = Trainer(tiny_config(tiny_sd3_path, tmp_path / "a", "name=full", *common))
     full.train()
     stopped = Trainer(tiny_config(tiny_sd3_path, tmp_path / "b", "name=resumed", *common,
@@ -98,6 +98,8 @@ def test_resume_equals_uninterrupted_run(tiny_sd3_path, tmp_path):
     lines = [json.loads(line) for line in
              (tmp_path / "b" / "runs" / "resumed" / "metrics.jsonl").read_text().splitlines()]
     assert [r["iteration"] for r in lines if r["phase"] == "train"] == [1, 2, 3]
+    # linear warmup over 3 iterations, a function of the iteration: the resumed run continues it
+    assert [r["lr"] for r in lines if r["phase"] == "train"] == pytest.approx([1e-2 / 3, 2e-2 / 3, 1e-2])
 
 
 def test_bad_config_fails_before_model_loads(tiny_sd3_path, tmp_path, monkeypatch):
