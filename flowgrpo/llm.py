@@ -667,6 +667,10 @@ class LLMTrainer(Trainer):
         stats["policy_loss"] = loss.detach()
         return loss, stats
 
+    def update_metrics(self, rows: dict[str, Tensor], clip_high: float) -> dict[str, Tensor]:
+        """Token-level stats are already reduced per replay batch: their mean over the update."""
+        return {key: values.float().mean() for key, values in rows.items()}
+
     # ------------------------------------------------------------------ evaluation
     @torch.no_grad()
     def evaluate(self, iteration: int, save_images: bool = True) -> dict[str, float]:

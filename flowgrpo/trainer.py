@@ -262,11 +262,10 @@ class Trainer:
         per_step = t.gradient_accumulation_steps or max(max_count, 1)
         num_steps = max(math.ceil(max_count / per_step), 1)
         step_weights = self.step_weights(replays)
-        # Per replay batch only detached (b,) tensors are kept; the statistics are computed once
-        # over all of them at the end (one host sync per update, a few ops instead of ~40 per
-        # replay batch).
+        # Per replay batch only detached tensors are kept; the statistics are computed once over
+        # all of them at the end (``update_metrics``: a few ops instead of ~40 per replay batch).
         rows: dict[str, list[Tensor]] = {}
-        first_pass: list[Tensor] = []
+        first_pass_dev: list[Tensor] = []
         grad_norms: list[float] = []
         for epoch in range(t.num_inner_epochs):
             order = torch.randperm(len(replays), generator=seeded_generator(
@@ -278,24 +277,16 @@ class Trainer:
                         loss, record = self.replay_loss(batch, replays[index], advantages,
                                                         settings, clip_high, step_weights[index])
                     (loss / per_step).backward()
-                    raw_log_ratio = record.pop("raw_log_ratio")
                     for key, value in record.items():
-                        rows.setdefault(key, []).append(value.reshape(-1))
+                        rows.setdefault(key, []).append(value.detach().reshape(-1))
                     if epoch == 0 and step == 0:   # before any optimiser step: must be exactly 1
-                        first_pass.append(raw_log_ratio)
+                        first_pass_dev.append(record["ratio_max_dev"].detach().reshape(()))
                 grad_norms.append(self.optimizer_step())
-        metrics: dict[str, float] = {}
-        if rows:
-            joined = {key: torch.cat(values) for key, values in rows.items()}
-            stats = surrogate_stats(joined["log_ratio"], joined["advantages"], t.clip_low,
-                                    clip_high, joined["weights"])
-            stats["policy_loss"] = joined["policy_loss"].float().mean()
-            if "kl" in joined:
-                stats["kl"] = joined["kl"].float().mean()
-            metrics.update({f"train/{k}": float(v) for k, v in stats.items()})
+        metrics = {f"train/{k}": float(v) for k, v in self.update_metrics(
+            {key: torch.cat(values) for key, values in rows.items()}, clip_high).items()}
         metrics["train/grad_norm"] = _mean(grad_norms)
         metrics["train/first_pass_ratio_max_dev"] = \
-            float((torch.cat(first_pass).exp() - 1).abs().max()) if first_pass else 0.0
+            float(torch.stack(first_pass_dev).max()) if first_pass_dev else 0.0
         metrics["train/replay_batches"] = len(replays)
         metrics["train/skipped_replay_batches"] = len(batch.replay) - len(replays)
         metrics["lr"] = self.optimizer.param_groups[0]["lr"]
@@ -335,9 +326,10 @@ class Trainer:
                     settings: RolloutSettings, clip_high: float, weights: Tensor
                     ) -> tuple[Tensor, dict[str, Tensor]]:
         """The loss of one replay batch: surrogate (+ Guard / rectification weights) + KL.
-        Returns the loss and a record of detached per-row tensors: ``log_ratio`` (the one the
-        loss used), ``raw_log_ratio`` (logp - logp_old, whose exp must be exactly 1 on the first
-        pass), ``advantages``, ``weights``, and 0-d ``policy_loss`` (and ``kl``)."""
+        Returns the loss and a record of detached tensors for ``update_metrics``: per row
+        ``log_ratio`` (the one the loss used), ``advantages`` and ``weights``; 0-d
+        ``ratio_max_dev`` (max |exp(logp - logp_old) - 1|, exactly 0 on the first pass),
+        ``policy_loss`` (and ``kl``)."""
         cond = self.replay_condition(batch, replay)
         t = self.config.training
         logp, mean = replay_logp(self.model, replay, cond, settings)
@@ -348,7 +340,8 @@ class Trainer:
         loss, _ = policy_loss(logp, replay.logp_old, adv, t.clip_low, clip_high,
                               weights=weights, log_ratio=log_ratio, with_stats=False)
         record = {"log_ratio": raw_log_ratio if log_ratio is None else log_ratio.detach(),
-                  "raw_log_ratio": raw_log_ratio, "advantages": adv, "weights": weights,
+                  "advantages": adv, "weights": weights,
+                  "ratio_max_dev": (raw_log_ratio.exp() - 1).abs().max(),
                   "policy_loss": loss.detach()}
         if t.kl_beta > 0:
             with torch.no_grad(), self.reference_policy():
@@ -357,6 +350,18 @@ class Trainer:
             loss = loss + t.kl_beta * kl
             record["kl"] = kl.detach()
         return loss, record
+
+    def update_metrics(self, rows: dict[str, Tensor], clip_high: float) -> dict[str, Tensor]:
+        """An update's statistics from the concatenated records of its replay batches:
+        ``surrogate_stats`` over every trained row, and the mean policy loss (and KL)."""
+        if not rows:
+            return {}
+        stats = surrogate_stats(rows["log_ratio"], rows["advantages"], self.config.training.clip_low,
+                                clip_high, rows["weights"])
+        stats["policy_loss"] = rows["policy_loss"].float().mean()
+        if "kl" in rows:
+            stats["kl"] = rows["kl"].float().mean()
+        return stats
 
     def optimizer_step(self) -> float:
         acc = self.accelerator
