@@ -134,8 +134,8 @@ def surrogate_stats(log_ratio: Tensor, advantages: Tensor, clip_low: float, clip
     advantage pushes towards, where the gradient is zeroed), ``ratio_mean``, ``ratio_min``,
     ``ratio_max`` and ``approx_kl`` = mean((r - 1) - log r), the k3 estimate of KL(old || new).
     With no row kept: fractions and ``approx_kl`` 0, ratios 1. The trainer calls this once per
-    update on the concatenated rows of every replay batch, instead of once per replay batch: at
-    CPU sizes each of these ~30 small ops costs as much as a large one.
+    update on the concatenated rows of every replay batch, so min / max / means are over the
+    whole update rather than averages of per-batch values.
     """
     with torch.no_grad():
         log_ratio = log_ratio.detach()

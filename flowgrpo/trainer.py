@@ -263,7 +263,7 @@ class Trainer:
         num_steps = max(math.ceil(max_count / per_step), 1)
         step_weights = self.step_weights(replays)
         # Per replay batch only detached tensors are kept; the statistics are computed once over
-        # all of them at the end (``update_metrics``: a few ops instead of ~40 per replay batch).
+        # all of them at the end (``update_metrics``), so they describe the whole update.
         rows: dict[str, list[Tensor]] = {}
         first_pass_dev: list[Tensor] = []
         grad_norms: list[float] = []
