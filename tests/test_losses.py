@@ -70,6 +70,20 @@ def test_surrogate_stats_over_concatenated_batches_equal_the_whole_batch():
         "ratio_max": 1.0, "approx_kl": 0.0}
 
 
+def test_surrogate_stats_leave_out_masked_rows():
+    """Closed form over the kept rows only: the masked row's huge log-ratio must not count."""
+    log_ratio = torch.tensor([0.0, 0.5, -0.5, 10.0])
+    advantages = torch.tensor([1.0, 1.0, 1.0, 1.0])
+    stats = surrogate_stats(log_ratio, advantages, 0.2, 0.2, torch.tensor([1.0, 1.0, 1.0, 0.0]))
+    kept = [0.0, 0.5, -0.5]
+    assert stats["clip_fraction"].item() == pytest.approx(2 / 3)
+    assert stats["clip_fraction_active"].item() == pytest.approx(1 / 3)   # only r > 1.2 with A > 0
+    assert stats["ratio_mean"].item() == pytest.approx(sum(math.exp(x) for x in kept) / 3, rel=1e-6)
+    assert stats["ratio_max"].item() == pytest.approx(math.exp(0.5), rel=1e-6)
+    assert stats["ratio_min"].item() == pytest.approx(math.exp(-0.5), rel=1e-6)
+    assert stats["approx_kl"].item() == pytest.approx(sum(math.exp(x) - 1 - x for x in kept) / 3, rel=1e-5)
+
+
 def test_on_policy_gradient_step_increases_logp_of_positive_advantage():
     logp_old = torch.tensor([-1.3, -0.7])
     logp = logp_old.clone().requires_grad_(True)

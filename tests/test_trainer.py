@@ -50,6 +50,22 @@ def test_ratio_is_one_on_first_pass(plan, tiny_sd3_path, tmp_path):
     assert metrics["train/first_pass_ratio_max_dev"] == 0.0
 
 
+def test_update_statistics_describe_the_update(tiny_sd3_path, tmp_path):
+    """On-policy single pass: every ratio is 1, nothing is clipped, the k3 KL is 0. A second
+    inner epoch after an optimiser step moves the ratios (the statistics read the log-ratios, not
+    some other record)."""
+    first = Trainer(tiny_config(tiny_sd3_path, tmp_path / "a", "training.skip_zero_std_groups=false"))
+    metrics = first.run_iteration(0)
+    assert metrics["train/ratio_mean"] == metrics["train/ratio_min"] == metrics["train/ratio_max"] == 1.0
+    assert metrics["train/clip_fraction"] == 0.0 and metrics["train/approx_kl"] == 0.0
+    two = Trainer(tiny_config(tiny_sd3_path, tmp_path / "b", "training.skip_zero_std_groups=false",
+                              "training.num_inner_epochs=2", "training.lr=1e-1"))
+    metrics = two.run_iteration(0)
+    assert metrics["train/first_pass_ratio_max_dev"] == 0.0
+    assert metrics["train/ratio_min"] < 1.0 < metrics["train/ratio_max"]
+    assert metrics["train/approx_kl"] > 0.0
+
+
 @pytest.mark.parametrize("sign", [1.0, -1.0])
 def test_advantage_sign_moves_log_prob(sign, tiny_sd3_path, tmp_path):
     trainer = Trainer(tiny_config(tiny_sd3_path, tmp_path, "training.lr=1e-3",
