@@ -101,7 +101,7 @@ def _as_float32(value: Tensor, name: str) -> Tensor:
 
 
 def _check_velocity_shape(velocity: Tensor, sample: Tensor) -> None:
-    if velocity.shape == sample.shape:   # the usual case; broadcast_shapes costs ~0.1 ms a call
+    if velocity.shape == sample.shape:   # the usual case; broadcast_shapes took ~0.1 ms a call (cProfile)
         return
     try:
         broadcast = torch.broadcast_shapes(velocity.shape, sample.shape)
