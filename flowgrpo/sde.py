@@ -49,6 +49,7 @@ __all__ = [
     "Transition",
     "transition",
     "gaussian_log_prob",
+    "score_step",
     "dpmpp_2m_step",
     "ode_solve",
     "shift_sigma",
@@ -76,12 +77,17 @@ class Transition:
                  per element with constants, reduced over non-batch dims ("mean" or "sum");
                  0 for rows whose std is 0 (the density is degenerate there; 0 keeps the
                  ratio exp(logp - logp_old) at exactly 1 for those rows).
+    coef_x, coef_v: (B,) float32 with mean = coef_x x + coef_v v (every kind's mean is affine
+                 in the sample and the velocity). With ``std`` they are the whole step: a replay
+                 scores x' again with ``score_step`` without redoing the schedule arithmetic.
     """
 
     prev_sample: Tensor
     mean: Tensor
     std: Tensor
     log_prob: Tensor
+    coef_x: Tensor
+    coef_v: Tensor
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -169,31 +175,83 @@ def gaussian_log_prob(value: Tensor, mean: Tensor, std: Tensor, reduce: str = "m
     """
     if reduce not in REDUCTIONS:
         raise ValueError(f"reduce must be one of {REDUCTIONS} (got {reduce!r})")
+    return _residual_log_prob(value.detach() - mean, std, reduce)
+
+
+def _residual_log_prob(residual: Tensor, std: Tensor, reduce: str) -> Tensor:
+    """log N(mean + residual; mean, std^2) reduced per row: residual (B, ...), std (B,) -> (B,).
+
+    The std is constant within a row, so the squares are reduced first and scaled after:
+    ``-reduce(residual^2) / (2 std^2) - n (log std + log sqrt(2 pi))``, n = 1 for "mean" and the
+    element count for "sum"; 0 where std == 0. On small latents the per-op cost, not the
+    arithmetic, is what the trainer pays, so the full-size work is two ops (square, reduce).
+    """
     stochastic = std > 0
-    safe_std = _rows(torch.where(stochastic, std, torch.ones_like(std)), value.ndim)
-    per_element = (-((value.detach() - mean) ** 2) / (2.0 * safe_std ** 2)
-                   - torch.log(safe_std) - _LOG_SQRT_2PI)
-    flat = per_element.reshape(value.shape[0], -1)
-    reduced = flat.mean(dim=1) if reduce == "mean" else flat.sum(dim=1)
-    return torch.where(stochastic, reduced, torch.zeros_like(reduced))
+    safe_std = torch.where(stochastic, std, torch.ones_like(std))
+    squared = residual.square().reshape(residual.shape[0], -1)
+    if reduce == "mean":
+        reduced, count = squared.mean(dim=1), 1.0
+    else:
+        reduced, count = squared.sum(dim=1), float(squared.shape[1])
+    log_prob = -reduced / (2.0 * safe_std.square()) - count * (torch.log(safe_std) + _LOG_SQRT_2PI)
+    return torch.where(stochastic, log_prob, torch.zeros_like(log_prob))
 
 
-def _mean_and_std(kind: str, velocity: Tensor, sample: Tensor, sigma: Tensor,
-                  sigma_next: Tensor, noise_level: Tensor) -> tuple[Tensor, Tensor]:
-    """Mean (B, ...) and total std (B,) of x' for ``kind``; all inputs float32, sigmas (B,)."""
-    ndim = sample.ndim
+def _affine_mean(coef_x: Tensor, coef_v: Tensor, sample: Tensor, velocity: Tensor) -> Tensor:
+    """coef_x x + coef_v v: (B,) coefficients, (B, ...) sample and velocity."""
+    return _rows(coef_x, sample.ndim) * sample + _rows(coef_v, sample.ndim) * velocity
+
+
+class _ScoredStep(torch.autograd.Function):
+    """(mean, log_prob) of a given x' under N(coef_x x + coef_v v, std^2), with the closed-form
+    backward d log_prob / d mean = (x' - mean) / (std^2 n) (n as in ``_residual_log_prob``, 0
+    where std == 0) and d mean = coef_x dx + coef_v dv.
+
+    The replay path of ``transition``: autograd over the same ops records about ten nodes per
+    call, which on CPU-sized latents cost more than the arithmetic (benchmarks/overhead.py). The
+    forward calls the same helpers as the sampling path, so the log-prob is bit for bit the one
+    sampling returned. Coefficients and std are constants here (no gradient); ``transition``
+    uses plain autograd when they require one.
+    """
+
+    @staticmethod
+    def forward(ctx, velocity, sample, value, coef_x, coef_v, std, reduce):
+        mean = _affine_mean(coef_x, coef_v, sample, velocity)
+        residual = value - mean
+        log_prob = _residual_log_prob(residual, std, reduce)
+        count = 1.0 if reduce == "sum" else float(residual[0].numel())
+        scale = torch.where(std > 0, 1.0 / (std.square() * count), torch.zeros_like(std))
+        ctx.save_for_backward(residual, coef_x, coef_v, scale)
+        ctx.set_materialize_grads(False)   # the mean's gradient is usually None: skip the zeros
+        return mean, log_prob
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_mean, grad_log_prob):
+        residual, coef_x, coef_v, scale = ctx.saved_tensors
+        grad = grad_mean
+        if grad_log_prob is not None:
+            from_log_prob = _rows(grad_log_prob * scale, residual.ndim) * residual
+            grad = from_log_prob if grad is None else grad + from_log_prob
+        if grad is None:
+            return (None,) * 7
+        grad_velocity = _rows(coef_v, grad.ndim) * grad if ctx.needs_input_grad[0] else None
+        grad_sample = _rows(coef_x, grad.ndim) * grad if ctx.needs_input_grad[1] else None
+        return grad_velocity, grad_sample, None, None, None, None, None
+
+
+def _affine_coefficients(kind: str, sigma: Tensor, sigma_next: Tensor, noise_level: Tensor
+                         ) -> tuple[Tensor, Tensor, Tensor]:
+    """(coef_x, coef_v, std), each (B,) float32, with mean = coef_x x + coef_v v for a stochastic
+    ``kind``: the table in the module docstring with x0_hat = x - sigma v and
+    eps_hat = x + (1 - sigma) v expanded. Every kind's mean is affine in (x, v) with per-sample
+    coefficients, so the full-size work of a step is two products and a sum."""
     dt = sigma_next - sigma
-    dt_r, sigma_r = _rows(dt, ndim), _rows(sigma, ndim)
-    if kind == "ode":
-        return sample + velocity * dt_r, torch.zeros_like(sigma)
     if kind == "cps":
         std = sigma_next * torch.sin(noise_level * (math.pi / 2.0))
-        x0_hat = sample - sigma_r * velocity
-        eps_hat = sample + (1.0 - sigma_r) * velocity
         eps_coef = torch.sqrt(torch.clamp(sigma_next ** 2 - std ** 2, min=0.0))
-        mean = _rows(1.0 - sigma_next, ndim) * x0_hat + _rows(eps_coef, ndim) * eps_hat
-        return mean, std
-    eps_hat = sample + (1.0 - sigma_r) * velocity
+        # (1 - s') (x - s v) + c (x + (1 - s) v)
+        return 1.0 - sigma_next + eps_coef, eps_coef * (1.0 - sigma) - (1.0 - sigma_next) * sigma, std
     if kind == "flow_sde":
         sigma_tilde = torch.where(sigma == 1.0, sigma_next, sigma)
         diffusion_sq = noise_level ** 2 * sigma / (1.0 - sigma_tilde)          # s^2
@@ -203,9 +261,10 @@ def _mean_and_std(kind: str, velocity: Tensor, sample: Tensor, sigma: Tensor,
     else:  # dance_sde
         diffusion_sq = noise_level ** 2
         std = noise_level * torch.sqrt(-dt)
-    drift_coef = _rows(diffusion_sq / (2.0 * sigma), ndim)
-    mean = sample + (velocity + drift_coef * eps_hat) * dt_r
-    return mean, std
+    drift = diffusion_sq / (2.0 * sigma)
+    # x + [v + drift (x + (1 - s) v)] dt; with a = 0, coef_x = 1 and coef_v = dt exactly, so
+    # the step is Euler bit for bit.
+    return 1.0 + drift * dt, dt * (1.0 + drift * (1.0 - sigma)), std
 
 
 def _check_values(kind: str, sigma: Tensor, sigma_next: Tensor, level: Tensor) -> None:
@@ -240,8 +299,9 @@ def transition(kind: str, velocity: Tensor, sample: Tensor, sigma: float | Tenso
         noise_level: a >= 0 (flow_sde's a, dance_sde's eta, cps's a in [0, 1]), float or (B,)
             so one batch can mix SDE rows with ODE-equivalent rows (a = 0). Ignored by "ode".
         prev_sample: when given, x' to score instead of sampling (replay). The log-prob is
-            bit-for-bit the one sampling returned for the same inputs: both paths compute mean
-            and std identically and score x' with ``gaussian_log_prob``.
+            bit-for-bit the one sampling returned for the same inputs: both paths compute mean,
+            std and the log-prob with the same helpers. Replay runs them inside ``_ScoredStep``,
+            whose backward is closed-form (one autograd node instead of about ten).
         generator: RNG for sampling (ignored when ``noise`` or ``prev_sample`` is given).
         noise: optional pre-drawn standard normal of sample's shape, used instead of drawing;
             lets the rollout draw per-sample noise so results don't depend on batch composition.
@@ -272,18 +332,65 @@ def transition(kind: str, velocity: Tensor, sample: Tensor, sigma: float | Tenso
     if prev_sample is not None and noise is not None:
         raise ValueError("pass prev_sample (replay) or noise (sampling), not both")
 
-    mean, std = _mean_and_std(kind, v, x, sigma_t, sigma_next_t, level)
     if prev_sample is not None:
         x_next = _as_float32(prev_sample, "prev_sample").to(x.device)
         if x_next.shape != x.shape:
             raise ValueError(f"prev_sample must have the shape of sample {tuple(x.shape)} "
                              f"(got {tuple(x_next.shape)})")
-    elif kind == "ode":
-        x_next = mean
+    if kind == "ode":   # diffusers' x + v dt, bit for bit; the density is degenerate
+        dt = sigma_next_t - sigma_t
+        mean = x + v * _rows(dt, x.ndim)
+        x_next = mean if prev_sample is None else x_next
+        std = torch.zeros_like(sigma_t)
+        return Transition(prev_sample=x_next, mean=mean, std=std,
+                          log_prob=_residual_log_prob(x_next.detach() - mean, std, reduce),
+                          coef_x=torch.ones_like(dt), coef_v=dt)
+    coef_x, coef_v, std = _affine_coefficients(kind, sigma_t, sigma_next_t, level)
+    if prev_sample is not None:
+        log_prob, mean = _score(v, x, x_next, coef_x, coef_v, std, reduce)
     else:
+        mean = _affine_mean(coef_x, coef_v, x, v)
         x_next = mean + _rows(std, x.ndim) * _standard_normal(x, noise, generator)
-    log_prob = gaussian_log_prob(x_next, mean, std, reduce=reduce)
-    return Transition(prev_sample=x_next, mean=mean, std=std, log_prob=log_prob)
+        log_prob = _residual_log_prob(x_next.detach() - mean, std, reduce)
+    return Transition(prev_sample=x_next, mean=mean, std=std, log_prob=log_prob,
+                      coef_x=coef_x, coef_v=coef_v)
+
+
+def score_step(velocity: Tensor, sample: Tensor, next_sample: Tensor, coef_x: Tensor,
+               coef_v: Tensor, std: Tensor, reduce: str = "mean") -> tuple[Tensor, Tensor]:
+    """Score a recorded step again under a new velocity: the replay path of a trainer.
+
+    velocity, sample, next_sample: (B, ...) (computed in float32); coef_x, coef_v, std: (B,)
+    float32, the ``Transition`` fields of the step that produced ``next_sample``. Returns
+    (log_prob (B,), mean (B, ...)) of N(coef_x x + coef_v v, std^2), bit for bit what
+    ``transition`` returned when it sampled ``next_sample`` from the same velocity. The
+    log-prob's gradient is closed-form (one autograd node), see ``_ScoredStep``.
+    """
+    if reduce not in REDUCTIONS:
+        raise ValueError(f"reduce must be one of {REDUCTIONS} (got {reduce!r})")
+    x = _as_float32(sample, "sample")
+    v = _as_float32(velocity, "velocity").to(x.device)
+    _check_velocity_shape(v, x)
+    x_next = _as_float32(next_sample, "next_sample").to(x.device)
+    if x_next.shape != x.shape:
+        raise ValueError(f"next_sample must have the shape of sample {tuple(x.shape)} "
+                         f"(got {tuple(x_next.shape)})")
+    batch = (x.shape[0],)
+    for name, value in (("coef_x", coef_x), ("coef_v", coef_v), ("std", std)):
+        if tuple(value.shape) != batch:
+            raise ValueError(f"{name} must have shape {batch} (got {tuple(value.shape)})")
+    return _score(v, x, x_next, coef_x, coef_v, std, reduce)
+
+
+def _score(velocity: Tensor, sample: Tensor, next_sample: Tensor, coef_x: Tensor, coef_v: Tensor,
+           std: Tensor, reduce: str) -> tuple[Tensor, Tensor]:
+    """(log_prob, mean) of a given x'; plain autograd when the coefficients carry a gradient."""
+    if coef_x.requires_grad or coef_v.requires_grad or std.requires_grad:
+        mean = _affine_mean(coef_x, coef_v, sample, velocity)
+        return _residual_log_prob(next_sample.detach() - mean, std, reduce), mean
+    mean, log_prob = _ScoredStep.apply(velocity, sample, next_sample.detach(), coef_x, coef_v,
+                                       std, reduce)
+    return log_prob, mean
 
 
 # ----------------------------------------------------------------------------- ODE solvers

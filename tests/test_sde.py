@@ -21,6 +21,7 @@ from flowgrpo.sde import (
     dpmpp_2m_step,
     dynamic_shift_sigmas,
     ode_solve,
+    score_step,
     shift_sigma,
     static_shift_sigmas,
     transition,
@@ -204,6 +205,77 @@ def test_bf16_inputs_give_float32_outputs_of_the_rounded_inputs(kind):
     for name in ("prev_sample", "mean", "std", "log_prob"):
         assert getattr(low, name).dtype == torch.float32
         assert torch.equal(getattr(low, name), getattr(high, name)), name
+
+
+@pytest.mark.parametrize("kind", STOCHASTIC)
+def test_score_step_replays_the_sampled_step_bit_for_bit(kind):
+    """The trainer's replay path (score_step on the recorded coefficients) returns exactly the
+    log-prob and mean that sampling returned: the first inner pass has ratio 1 exactly."""
+    gen = torch.Generator().manual_seed(11)
+    x, v = torch.randn(4, 3, 5, 5, generator=gen), torch.randn(4, 3, 5, 5, generator=gen)
+    sigma, sigma_next = torch.tensor([1.0, 0.8, 0.5, 0.2]), torch.tensor([0.9, 0.6, 0.3, 0.0])
+    level = torch.tensor([0.7, 0.0, 0.5, 0.9])          # a zero-noise row: std 0, log-prob 0
+    for reduce in ("mean", "sum"):
+        sampled = transition(kind, v, x, sigma, sigma_next, noise_level=level, generator=gen,
+                             reduce=reduce)
+        logp, mean = score_step(v.clone().requires_grad_(), x, sampled.prev_sample,
+                                sampled.coef_x, sampled.coef_v, sampled.std, reduce=reduce)
+        assert torch.equal(logp.detach(), sampled.log_prob)
+        assert torch.equal(mean.detach(), sampled.mean)
+        assert logp[1] == 0 and sampled.std[1] == 0
+
+
+@pytest.mark.parametrize("kind", STOCHASTIC)
+@pytest.mark.parametrize("reduce", ["mean", "sum"])
+def test_score_step_closed_form_gradient_equals_autograd(kind, reduce):
+    """score_step's hand-written backward (through the log-prob and through the mean, as
+    GRPO-Guard and the KL use it) against autograd over the same maths: coefficients that
+    require a gradient send score_step down the plain-autograd path."""
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(3, 2, 4, 4, generator=gen)
+    v = torch.randn(3, 2, 4, 4, generator=gen)
+    sampled = transition(kind, v, x, torch.tensor([1.0, 0.6, 0.3]), torch.tensor([0.8, 0.4, 0.1]),
+                         noise_level=torch.tensor([0.7, 0.0, 0.9]), generator=gen, reduce=reduce)
+    weight_logp = torch.randn(3, generator=gen)
+    weight_mean = torch.randn(3, 2, 4, 4, generator=gen)
+    grads = []
+    for plain in (False, True):
+        velocity = (v + 0.1).requires_grad_()
+        sample = x.clone().requires_grad_()
+        coef_x = sampled.coef_x.clone().requires_grad_(plain)
+        logp, mean = score_step(velocity, sample, sampled.prev_sample, coef_x, sampled.coef_v,
+                                sampled.std, reduce=reduce)
+        ((weight_logp * logp).sum() + (weight_mean * mean).sum()).backward()
+        grads.append((velocity.grad, sample.grad, logp.detach(), mean.detach()))
+    (fused_v, fused_x, fused_logp, fused_mean), (auto_v, auto_x, auto_logp, auto_mean) = grads
+    assert torch.equal(fused_logp, auto_logp) and torch.equal(fused_mean, auto_mean)
+    torch.testing.assert_close(fused_v, auto_v, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(fused_x, auto_x, rtol=1e-5, atol=1e-6)
+    assert fused_v.abs().sum() > 0
+
+
+def test_score_step_gradcheck_in_float64():
+    """The closed-form backward against finite differences (float64, both outputs)."""
+    from flowgrpo.sde import _ScoredStep
+
+    gen = torch.Generator().manual_seed(13)
+    v = torch.randn(3, 2, 3, dtype=torch.float64, generator=gen, requires_grad=True)
+    x = torch.randn(3, 2, 3, dtype=torch.float64, generator=gen, requires_grad=True)
+    value = torch.randn(3, 2, 3, dtype=torch.float64, generator=gen)
+    coef_x = torch.tensor([0.9, 1.1, 1.0], dtype=torch.float64)
+    coef_v = torch.tensor([-0.1, -0.2, -0.05], dtype=torch.float64)
+    std = torch.tensor([0.3, 0.0, 0.5], dtype=torch.float64)
+    for reduce in ("mean", "sum"):
+        assert torch.autograd.gradcheck(
+            lambda v, x: _ScoredStep.apply(v, x, value, coef_x, coef_v, std, reduce), (v, x))
+
+
+def test_score_step_rejects_mismatched_shapes():
+    x = torch.zeros(2, 3)
+    with pytest.raises(ValueError, match="coef_v must have shape"):
+        score_step(x, x, x, torch.ones(2), torch.ones(3), torch.ones(2))
+    with pytest.raises(ValueError, match="next_sample must have the shape"):
+        score_step(x, x, torch.zeros(2, 4), torch.ones(2), torch.ones(2), torch.ones(2))
 
 
 def test_given_noise_equals_generator_draw_and_rows_are_batch_independent():
