@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from flowgrpo.plans import StepPlan
-from flowgrpo.sde import dpmpp_2m_step, euler_step, transition
+from flowgrpo.sde import dpmpp_2m_step, euler_step, score_step, transition
 from pipelines.base import Conditioning, FlowModel
 
 
@@ -39,7 +39,9 @@ class ReplayBatch:
     """One trained transformer call of the rollout: b rows at one step of one plan.
 
     Shapes: rows (b,) indices into the RolloutBatch; latents/next_latents/mean_old (b, ...) float32;
-    sigmas/sigmas_next/logp_old/std (b,) float32. ``step`` is the index into ``plan.sigmas``.
+    sigmas/sigmas_next/logp_old/std/coef_x/coef_v (b,) float32. ``step`` is the index into
+    ``plan.sigmas``. (coef_x, coef_v, std) are the step's Gaussian, N(coef_x x + coef_v v, std^2)
+    (``sde.Transition``), so a replay re-scores it without the schedule arithmetic.
     """
 
     rows: Tensor
@@ -51,6 +53,8 @@ class ReplayBatch:
     logp_old: Tensor
     mean_old: Tensor
     std: Tensor
+    coef_x: Tensor
+    coef_v: Tensor
 
 
 @dataclass
@@ -157,7 +161,8 @@ def run_plan(model: FlowModel, plan: StepPlan, latents: Tensor, cond: Conditioni
             if i in trained:
                 replay.append(ReplayBatch(rows=rows, step=i, latents=x, next_latents=out.prev_sample,
                                           sigmas=sigma, sigmas_next=sigma_next,
-                                          logp_old=out.log_prob, mean_old=out.mean, std=out.std))
+                                          logp_old=out.log_prob, mean_old=out.mean, std=out.std,
+                                          coef_x=out.coef_x, coef_v=out.coef_v))
             x = out.prev_sample
         elif i > last_stochastic and plan.solver_after == "dpmpp_2m":
             x, x0 = dpmpp_2m_step(x, velocity, sigma, sigma_next, prev_x0=prev_x0,
@@ -232,13 +237,17 @@ def replay_logp(model: FlowModel, replay: ReplayBatch, cond: Conditioning, setti
                 noise_level: float | None = None) -> tuple[Tensor, Tensor]:
     """Re-score a replay batch under the current weights (with grad).
 
-    Returns (logp (b,), mean (b, ...)) for x -> x' with the same transition kind and noise level.
+    Returns (logp (b,), mean (b, ...)) for x -> x' with the same transition kind and noise level
+    (the recorded step's coefficients), or under ``noise_level`` when one is given.
     """
     velocity = model.velocity(replay.latents.to(model.dtype), replay.sigmas, cond,
                               settings.guidance_scale)
+    if noise_level is None:
+        return score_step(velocity, replay.latents, replay.next_latents, replay.coef_x,
+                          replay.coef_v, replay.std)
     out = transition(settings.kind, velocity.to(torch.float32), replay.latents, replay.sigmas,
                      replay.sigmas_next,
-                     noise_level=settings.noise_level if noise_level is None else noise_level,
+                     noise_level=noise_level,
                      prev_sample=replay.next_latents, validate=False)
     return out.log_prob, out.mean
 

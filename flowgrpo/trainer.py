@@ -278,12 +278,13 @@ class Trainer:
                                                         settings, clip_high, step_weights[index])
                     (loss / per_step).backward()
                     for key, value in record.items():
-                        rows.setdefault(key, []).append(value.detach().reshape(-1))
+                        rows.setdefault(key, []).append(value.detach())
                     if epoch == 0 and step == 0:   # before any optimiser step: must be exactly 1
-                        first_pass_dev.append(record["ratio_max_dev"].detach().reshape(()))
+                        first_pass_dev.append(record["ratio_max_dev"])
                 grad_norms.append(self.optimizer_step())
         metrics = {f"train/{k}": float(v) for k, v in self.update_metrics(
-            {key: torch.cat(values) for key, values in rows.items()}, clip_high).items()}
+            {key: torch.cat([v.reshape(-1) for v in values]) for key, values in rows.items()},
+            clip_high).items()}
         metrics["train/grad_norm"] = _mean(grad_norms)
         metrics["train/first_pass_ratio_max_dev"] = \
             float(torch.stack(first_pass_dev).max()) if first_pass_dev else 0.0
@@ -314,13 +315,21 @@ class Trainer:
 
     def replay_condition(self, batch: RolloutBatch, replay):
         """Prompt embeddings of a replay batch's rows; the batch's unique prompts are encoded once
-        per update and rows are picked from them."""
+        per update and rows are picked from them. The rollout hands every step of a chunk the
+        same ``rows`` tensor, so a selection is made once per chunk and reused for its steps."""
         if getattr(self, "_cond_batch", None) is not batch:
             unique = list(dict.fromkeys(batch.prompts))
             self._cond_unique = self.model.encode_prompts(unique).to(self.model.device)
             self._cond_index = torch.tensor([unique.index(p) for p in batch.prompts])
             self._cond_batch = batch
-        return self._cond_unique.select(self._cond_index[replay.rows])
+            self._cond_by_rows: dict[int, tuple[Tensor, object]] = {}
+        # Keyed by the tensor's id, and the tensor kept with the value: the batch keeps every
+        # rows tensor alive, so an id cannot be reused while this cache is in use.
+        key = id(replay.rows)
+        if key not in self._cond_by_rows:
+            self._cond_by_rows[key] = (replay.rows,
+                                       self._cond_unique.select(self._cond_index[replay.rows]))
+        return self._cond_by_rows[key][1]
 
     def replay_loss(self, batch: RolloutBatch, replay, advantages: Tensor,
                     settings: RolloutSettings, clip_high: float, weights: Tensor
