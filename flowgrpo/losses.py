@@ -61,7 +61,7 @@ def _check_sigmas(sigma: Tensor, sigma_next: Tensor) -> None:
 
 def policy_loss(logp: Tensor, logp_old: Tensor, advantages: Tensor, clip_low: float, clip_high: float, *,
                 weights: Tensor | None = None, log_ratio: Tensor | None = None,
-                with_stats: bool = True) -> tuple[Tensor, dict[str, Tensor]]:
+                with_stats: bool = True, validate: bool = True) -> tuple[Tensor, dict[str, Tensor]]:
     """PPO clipped surrogate over a batch of transitions.
 
     ratio r = exp(logp - logp_old), or exp(log_ratio) when ``log_ratio`` is given (e.g. from
@@ -86,6 +86,8 @@ def policy_loss(logp: Tensor, logp_old: Tensor, advantages: Tensor, clip_low: fl
         weights: (B,) >= 0 per-sample weights; default ones.
         log_ratio: (B,) log r to use instead of logp - logp_old.
         with_stats: compute ``surrogate_stats`` (False: an empty dict; the caller gathers them).
+        validate: check that the weights are >= 0 (a host sync on GPU). The trainer passes False
+            and checks an iteration's weights once (``check_weights``); shapes are always checked.
 
     Returns:
         scalar loss, and ``surrogate_stats`` of the batch (detached, over the rows with w > 0):
@@ -108,8 +110,8 @@ def policy_loss(logp: Tensor, logp_old: Tensor, advantages: Tensor, clip_low: fl
         weights = torch.ones(batch, dtype=dtype, device=logp.device)
     else:
         _check_shape(weights, "weights", batch, "(B,) like logp")
-        if bool((weights < 0).any()):
-            raise ValueError("weights must be >= 0 (a negative weight flips the advantage's sign)")
+        if validate:
+            check_weights(weights)
         weights = weights.detach().to(dtype)
     advantages = advantages.detach().to(dtype)
 
@@ -123,6 +125,12 @@ def policy_loss(logp: Tensor, logp_old: Tensor, advantages: Tensor, clip_low: fl
     if not with_stats:
         return loss, {}
     return loss, surrogate_stats(log_ratio.detach(), advantages, clip_low, clip_high, weights)
+
+
+def check_weights(weights: Tensor) -> None:
+    """Raise if any per-sample loss weight is negative (or NaN): one host sync."""
+    if not bool((weights >= 0).all()):
+        raise ValueError("weights must be >= 0 (a negative weight flips the advantage's sign)")
 
 
 def surrogate_stats(log_ratio: Tensor, advantages: Tensor, clip_low: float, clip_high: float,

@@ -21,8 +21,8 @@ from flowgrpo import checkpoint as ckpt
 from flowgrpo.advantages import decoupled_advantages, group_advantages
 from flowgrpo.config import TrainConfig, dump_config, to_dict, validate
 from flowgrpo.ema import EMA
-from flowgrpo.losses import (flow_kl, guard_log_ratio, guard_step_weights, policy_loss,
-                             rectification_weights, surrogate_stats)
+from flowgrpo.losses import (check_weights, flow_kl, guard_log_ratio, guard_step_weights,
+                             policy_loss, rectification_weights, surrogate_stats)
 from flowgrpo.plans import make_plan
 from flowgrpo.prompts import eval_selection, load_prompts, sample_groups
 from flowgrpo.rollout import (RolloutBatch, RolloutSettings, replay_logp, rollout, sample_ode,
@@ -311,6 +311,7 @@ class Trainer:
         if raw and (t.dt_reweight or t.rectification):
             mean = torch.cat(raw).mean()
             raw = [w / mean for w in raw]
+            check_weights(torch.cat(raw))   # once here, so the loss skips it per replay batch
         return raw
 
     def replay_condition(self, batch: RolloutBatch, replay):
@@ -347,7 +348,8 @@ class Trainer:
         log_ratio = guard_log_ratio(logp, replay.logp_old, mean, replay.mean_old, replay.std) \
             if t.ratio_norm else None
         loss, _ = policy_loss(logp, replay.logp_old, adv, t.clip_low, clip_high,
-                              weights=weights, log_ratio=log_ratio, with_stats=False)
+                              weights=weights, log_ratio=log_ratio, with_stats=False,
+                              validate=False)
         record = {"log_ratio": raw_log_ratio if log_ratio is None else log_ratio.detach(),
                   "advantages": adv, "weights": weights,
                   "ratio_max_dev": (raw_log_ratio.exp() - 1).abs().max(),

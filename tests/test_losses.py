@@ -158,6 +158,15 @@ def test_policy_loss_rejects_bad_arguments():
         policy_loss(x, x, torch.zeros(2), 0.1, 0.1)
     with pytest.raises(ValueError, match="weights must be >= 0"):
         policy_loss(x, x, x, 0.1, 0.1, weights=torch.tensor([1.0, -1.0, 1.0]))
+    with pytest.raises(ValueError, match="weights must be >= 0"):
+        policy_loss(x, x, x, 0.1, 0.1, weights=torch.tensor([1.0, float("nan"), 1.0]))
+    # validate=False (the trainer, which checks an iteration's weights once) skips the value
+    # check, never the shape check
+    loss, _ = policy_loss(x, x, torch.ones(3), 0.1, 0.1, weights=torch.tensor([1.0, -1.0, 1.0]),
+                          validate=False)
+    assert loss.item() == pytest.approx(-1.0)   # rows with w <= 0 are masked, not flipped
+    with pytest.raises(ValueError, match="weights"):
+        policy_loss(x, x, x, 0.1, 0.1, weights=torch.ones(2), validate=False)
 
 
 # ---------------------------------------------------------------- GRPO-Guard
