@@ -8,11 +8,18 @@ build (and on the toy model when ``assets/toy`` exists). The model's own compute
 the same run, without editing the trainer:
 
 - transformer forward: forward pre/post hooks on ``model.transformer``;
-- transformer backward: ``replay_loss`` is overridden to pass its loss through an identity
-  autograd function whose backward starts a clock and queues an end-of-backward callback, so
-  exactly the autograd pass of ``loss.backward()`` is timed;
+- transformer backward: a forward hook passes the transformer's output (when it carries a
+  gradient) through an identity autograd function. Its backward runs when the gradient reaches
+  the transformer's output; it starts a clock and queues an end-of-backward callback. So the
+  backward of the transformer (and of the LoRA weights in it) is model time, and the backward of
+  our own maths before it (policy loss, KL, transition log-prob; timed from an identity on the
+  loss) is overhead, counted in "maths";
 - VAE decode and prompt encoding: ``model.decode`` / ``model.encode_prompts`` wrapped;
 - rewards: the reward classes' own ``__call__`` / ``components`` wrapped inside ``MultiReward``.
+
+The instrumented run pays for its own hooks and wrappers. So an uninstrumented ``Trainer`` with
+the same config runs the same iterations, alternating with the instrumented one, and its wall
+time is the numerator of the ratio ("wall"); "instr." is the instrumented wall minus it.
 
 Phases (rewards scored synchronously, ``rewards.threaded=false``, so phases do not overlap):
 rollout = trainer's ``time/rollout`` minus the reward scoring inside it; reward = scoring time;
@@ -20,9 +27,10 @@ update = ``time/update`` (replay forwards, backwards, optimiser steps). "total" 
 ``run_iteration`` wall time (advantages included) over all model compute. The target is a ratio
 <= 1.10 at these CPU sizes; the table prints where it is above.
 
-The overhead (wall - model) is broken down by timing, the same way, what the loop calls besides
+The overhead (instrumented wall - model) is broken down by timing, the same way, what the loop calls besides
 the model: "maths" = the SDE transitions / DPM steps / policy loss (``flowgrpo.rollout.transition``,
-``dpmpp_2m_step``, ``flowgrpo.trainer.policy_loss``, ``guard_log_ratio``, ``flow_kl``), "noise" =
+``score_step``, ``dpmpp_2m_step``, ``flowgrpo.trainer.policy_loss``, ``guard_log_ratio``, ``flow_kl``) and their
+backward, "noise" =
 per-sample seeded noise (``StepNoise``, ``initial_noise``), "cond" = ``encode_prompts`` minus the
 text encoders' own forward (the prompt-cache lookups), "adapt" = ``model.velocity`` minus the
 transformer forward (the adapter's own tensor handling), "optim" = ``optimizer_step``; "rest" is
@@ -66,6 +74,7 @@ class ModelClock:
 
     def __init__(self) -> None:
         self.phase = "rollout"
+        self.pass_began: float | None = None    # set by _BackwardPassStart
         self.seconds: dict[tuple[str, str], float] = defaultdict(float)
         self.calls: dict[tuple[str, str], int] = defaultdict(int)
 
@@ -123,8 +132,9 @@ class TimedReward:
 
 
 class _TimedBackward(torch.autograd.Function):
-    """Identity whose backward (the first node the autograd pass runs) starts a clock and queues
-    a callback that stops it when the whole pass has finished."""
+    """Identity on the transformer's output: its backward runs when the gradient reaches that
+    output, starts a clock, and queues a callback that stops it when the whole pass has finished
+    (what runs after it is the transformer's and its weights' backward)."""
 
     @staticmethod
     def forward(ctx, loss, clock, device):
@@ -137,6 +147,9 @@ class _TimedBackward(torch.autograd.Function):
 
         _sync(ctx.device)
         began = time.perf_counter()
+        if ctx.clock.pass_began is not None:   # the maths' backward ran from then until now
+            ctx.clock.add("maths", began - ctx.clock.pass_began)
+            ctx.clock.pass_began = None
 
         def stop() -> None:
             _sync(ctx.device)
@@ -144,6 +157,34 @@ class _TimedBackward(torch.autograd.Function):
 
         Variable._execution_engine.queue_callback(stop)
         return grad, None, None
+
+
+class _BackwardPassStart(torch.autograd.Function):
+    """Identity on a replay batch's loss: its backward is the first node of ``loss.backward()``
+    and notes when the pass began (the loss's own backward, our maths, runs from there)."""
+
+    @staticmethod
+    def forward(ctx, loss, clock, device):
+        ctx.clock, ctx.device = clock, device
+        return loss.view_as(loss)
+
+    @staticmethod
+    def backward(ctx, grad):
+        _sync(ctx.device)
+        ctx.clock.pass_began = time.perf_counter()
+        return grad, None, None
+
+
+def _with_backward_clock(output, clock: ModelClock, device: torch.device):
+    """The transformer's output (a tensor, a tuple whose first item is one, or an object with
+    ``.sample``) with its sample passed through ``_TimedBackward`` when it carries a gradient."""
+    if isinstance(output, torch.Tensor):
+        return _TimedBackward.apply(output, clock, device) if output.requires_grad else output
+    if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+        return (_with_backward_clock(output[0], clock, device),) + tuple(output[1:])
+    if hasattr(output, "sample") and isinstance(output.sample, torch.Tensor):
+        output.sample = _with_backward_clock(output.sample, clock, device)
+    return output
 
 
 def text_encoders(model) -> list[torch.nn.Module]:
@@ -161,7 +202,8 @@ def timed_functions(clock: ModelClock, device: torch.device) -> Iterator[None]:
     import flowgrpo.rollout as rollout_module
     import flowgrpo.trainer as trainer_module
 
-    targets = [(rollout_module, "transition", "maths"), (rollout_module, "dpmpp_2m_step", "maths"),
+    targets = [(rollout_module, "transition", "maths"), (rollout_module, "score_step", "maths"),
+               (rollout_module, "dpmpp_2m_step", "maths"),
                (trainer_module, "policy_loss", "maths"), (trainer_module, "guard_log_ratio", "maths"),
                (trainer_module, "flow_kl", "maths"), (rollout_module.StepNoise, "__init__", "noise"),
                (rollout_module.StepNoise, "__call__", "noise"),
@@ -196,6 +238,9 @@ class TimedTrainer(Trainer):
         def post_hook(module, args, output):
             _sync(device)
             self.clock.add("forward", time.perf_counter() - starts.pop())
+            if torch.is_grad_enabled():
+                return _with_backward_clock(output, self.clock, device)
+            return None
 
         transformer.register_forward_pre_hook(pre_hook)
         transformer.register_forward_hook(post_hook)
@@ -221,8 +266,8 @@ class TimedTrainer(Trainer):
         return super().update(batch, advantages, iteration)
 
     def replay_loss(self, *args, **kwargs):
-        loss, stats = super().replay_loss(*args, **kwargs)
-        return _TimedBackward.apply(loss, self.clock, torch.device(self.model.device)), stats
+        loss, record = super().replay_loss(*args, **kwargs)
+        return _BackwardPassStart.apply(loss, self.clock, torch.device(self.model.device)), record
 
     def optimizer_step(self) -> float:
         return _timed(super().optimizer_step, self.clock, "optim",
@@ -252,30 +297,49 @@ def make_config(family: str, path: str, plan: dict, args: argparse.Namespace, wo
     return load_config(data=data)
 
 
+def _add_walls(wall: dict[str, float], metrics: dict, seconds: float) -> None:
+    wall["total"] += seconds
+    wall["rollout"] += metrics["time/rollout"] - metrics["time/reward_compute"]
+    wall["reward"] += metrics["time/reward_compute"] + metrics["time/reward_wait"]
+    wall["update"] += metrics["time/update"]
+
+
 def measure(family: str, path: str, plan_name: str, args: argparse.Namespace, workdir: Path) -> dict:
-    """Wall and model seconds per phase over ``args.iterations`` iterations (after a warm-up)."""
+    """Wall and model seconds per phase over ``args.iterations`` iterations (after a warm-up):
+    the instrumented trainer's and, alternating with it on the same iterations, a plain one's."""
+    config = make_config(family, path, PLANS[plan_name], args, workdir)
     clock = ModelClock()
-    trainer = TimedTrainer(make_config(family, path, PLANS[plan_name], args, workdir), clock)
-    wall = defaultdict(float)
-    with timed_functions(clock, torch.device(trainer.model.device)):
-        trainer.run_iteration(0)                              # warm-up: encodes prompts, allocs
-        clock.reset()
-        for iteration in range(1, 1 + args.iterations):
-            began = time.perf_counter()
-            metrics = trainer.run_iteration(iteration)
-            wall["total"] += time.perf_counter() - began
-            wall["rollout"] += metrics["time/rollout"] - metrics["time/reward_compute"]
-            wall["reward"] += metrics["time/reward_compute"] + metrics["time/reward_wait"]
-            wall["update"] += metrics["time/update"]
-    return {"wall": dict(wall), "clock": clock, "nfe": metrics["nfe"],
-            "trained": metrics["trained_transitions"]}
+    timed = TimedTrainer(config, clock)
+    plain = Trainer(config)
+    device = torch.device(timed.model.device)
+    wall: dict[str, float] = defaultdict(float)
+    plain_wall: dict[str, float] = defaultdict(float)
+    with timed_functions(clock, device):
+        timed.run_iteration(0)                                # warm-up: encodes prompts, allocs
+    plain.run_iteration(0)
+    clock.reset()
+    for iteration in range(1, 1 + args.iterations):
+        # Alternate which trainer goes first, so a drift in machine speed hits both alike.
+        for which in ("timed", "plain") if iteration % 2 else ("plain", "timed"):
+            if which == "timed":
+                with timed_functions(clock, device):
+                    began = time.perf_counter()
+                    metrics = timed.run_iteration(iteration)
+                    _add_walls(wall, metrics, time.perf_counter() - began)
+            else:
+                began = time.perf_counter()
+                plain_metrics = plain.run_iteration(iteration)
+                _add_walls(plain_wall, plain_metrics, time.perf_counter() - began)
+    return {"wall": dict(wall), "plain_wall": dict(plain_wall), "clock": clock,
+            "nfe": metrics["nfe"], "trained": metrics["trained_transitions"]}
 
 
 def print_table(rows: list[tuple[str, str, dict]], target: float) -> None:
-    """One line per (model, plan, phase): wall and model ms, their ratio, and the overhead split
-    into maths / noise / cond / optim / rest (ms)."""
+    """One line per (model, plan, phase): the plain trainer's wall and the model's ms, their ratio,
+    the instrumentation's cost, and the instrumented run's overhead split into maths / noise /
+    cond / adapt / optim / rest (ms)."""
     header = (f"{'model':<5} {'plan':<10} {'phase':<7} {'wall':>7} {'model':>7} {'ratio':>6} "
-              f"{'over':>6} | {'maths':>6} {'noise':>6} {'cond':>6} {'adapt':>6} {'optim':>6} "
+              f"{'instr':>6} {'over':>6} | {'maths':>6} {'noise':>6} {'cond':>6} {'adapt':>6} {'optim':>6} "
               f"{'rest':>6}  calls")
     print(header)
     print("-" * len(header))
@@ -283,13 +347,14 @@ def print_table(rows: list[tuple[str, str, dict]], target: float) -> None:
         clock: ModelClock = result["clock"]
         for phase in PHASES + ("total",):
             which = None if phase == "total" else phase
-            wall = result["wall"][phase] * 1e3
+            timed_wall = result["wall"][phase] * 1e3
+            wall = result["plain_wall"][phase] * 1e3
             model = clock.total(which) * 1e3
             parts = {kind: clock.total(which, (kind,)) * 1e3
                      for kind in ("maths", "noise", "cond", "velocity", "optim")}
             parts["cond"] -= clock.total(which, ("encode",)) * 1e3   # encoders are model time
             parts["velocity"] -= clock.total(which, ("forward",)) * 1e3
-            rest = wall - model - sum(parts.values())
+            rest = timed_wall - model - sum(parts.values())
             ratio = wall / model if model > 0 else float("inf")
             calls = {"rollout": f"fwd {clock.calls[('rollout', 'forward')]}",
                      "reward": f"reward {clock.calls[('reward', 'reward')]}",
@@ -298,11 +363,12 @@ def print_table(rows: list[tuple[str, str, dict]], target: float) -> None:
                      "total": f"nfe {result['nfe']}, trained {result['trained']}"}[phase]
             flag = "  <-- above target" if ratio > target else ""
             print(f"{family:<5} {plan:<10} {phase:<7} {wall:>7.1f} {model:>7.1f} {ratio:>6.3f} "
-                  f"{wall - model:>6.1f} | {parts['maths']:>6.1f} {parts['noise']:>6.1f} "
+                  f"{timed_wall - wall:>6.1f} {timed_wall - model:>6.1f} | {parts['maths']:>6.1f} {parts['noise']:>6.1f} "
                   f"{parts['cond']:>6.1f} {parts['velocity']:>6.1f} {parts['optim']:>6.1f} {rest:>6.1f}  "
                   f"{calls}{flag}")
-    print("ms summed over the measured iterations; over = wall - model = maths + noise + cond + "
-          "adapt + optim + rest")
+    print("ms summed over the measured iterations. wall: the plain Trainer's; ratio = wall / model; "
+          "instr. = instrumented wall - wall;\nover = instrumented wall - model = maths + noise + "
+          "cond + adapt + optim + rest")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -314,9 +380,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompts", type=int, default=2, help="prompts (groups) per iteration")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     parser.add_argument("--plans", default=",".join(PLANS), help="comma-separated plan names")
+    parser.add_argument("--models", default="sd3,toy", help="comma-separated: sd3, toy")
     parser.add_argument("--target", type=float, default=1.10)
     parser.add_argument("--profile", default=None, metavar="PLAN",
-                        help="also cProfile one iteration of PLAN (SD3) and print the top entries")
+                        help="also cProfile one iteration of PLAN (first model, plain Trainer) and print "
+                             "the top entries")
     args = parser.parse_args(argv)
     plans = [p for p in args.plans.split(",") if p]
     unknown = [p for p in plans if p not in PLANS]
@@ -331,9 +399,10 @@ def main(argv: list[str] | None = None) -> None:
     repo = Path(__file__).resolve().parent.parent
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
-        models = [("sd3", save_tiny("sd3", workdir / "tiny_sd3"))]
+        wanted = args.models.split(",")
+        models = [("sd3", save_tiny("sd3", workdir / "tiny_sd3"))] if "sd3" in wanted else []
         toy = repo / "assets" / "toy"
-        if (toy / "transformer").is_dir():
+        if "toy" in wanted and (toy / "transformer").is_dir():
             models.append(("toy", str(toy)))
         rows = []
         for family, path in models:
@@ -344,8 +413,8 @@ def main(argv: list[str] | None = None) -> None:
               f"sums over {args.iterations} iteration(s) after a warm-up")
         print_table(rows, args.target)
         if args.profile:
-            trainer = TimedTrainer(make_config("sd3", models[0][1], PLANS[args.profile], args,
-                                               workdir), ModelClock())
+            family, path = models[0]
+            trainer = Trainer(make_config(family, path, PLANS[args.profile], args, workdir))
             trainer.run_iteration(0)
             profiler = cProfile.Profile()
             profiler.enable()
