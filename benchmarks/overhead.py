@@ -208,6 +208,8 @@ def timed_functions(clock: ModelClock, device: torch.device) -> Iterator[None]:
                (trainer_module, "flow_kl", "maths"), (rollout_module.StepNoise, "__init__", "noise"),
                (rollout_module.StepNoise, "__call__", "noise"),
                (rollout_module, "initial_noise", "noise")]
+    # Only the names this checkout has (the script also measures older commits side by side).
+    targets = [(module, name, kind) for module, name, kind in targets if hasattr(module, name)]
     saved = [(module, name, getattr(module, name)) for module, name, _ in targets]
     for module, name, kind in targets:
         setattr(module, name, _timed(getattr(module, name), clock, kind, device))

@@ -30,6 +30,11 @@ fixed a^4/4 of variance there, which later steps mostly absorb. ``cps`` with a m
 (x0_hat = E[x0 | x]) loses variance at every step by an amount that does not shrink with the
 step size, so its samples are under-dispersed (mean exact); a = 0 is Euler.
 
+Every kind's mean is affine in (x, v), ``mean = coef_x x + coef_v v`` with per-sample
+coefficients, and ``Transition`` returns them. A trainer re-scores a recorded step under new
+weights with ``score_step`` (the recorded coefficients and std, a closed-form backward), bit for
+bit what sampling returned: the first inner pass of an update has ratio exactly 1.
+
 The deterministic stretches of a trajectory may use DPM-Solver++(2M) (``dpmpp_2m_step``), and
 ``ode_solve`` integrates a whole schedule. The sigma schedules reproduce diffusers'
 ``FlowMatchEulerDiscreteScheduler`` (SD3-style static shift, FLUX-style dynamic shift).
