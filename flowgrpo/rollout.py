@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from flowgrpo.plans import StepPlan
-from flowgrpo.sde import dpmpp_2m_step, euler_step, score_step, transition
+from flowgrpo.sde import StepGaussian, dpmpp_2m_step, euler_step, score_step, transition
 from pipelines.base import Conditioning, FlowModel
 
 
@@ -39,9 +39,9 @@ class ReplayBatch:
     """One trained transformer call of the rollout: b rows at one step of one plan.
 
     Shapes: rows (b,) indices into the RolloutBatch; latents/next_latents/mean_old (b, ...) float32;
-    sigmas/sigmas_next/logp_old/std/coef_x/coef_v (b,) float32. ``step`` is the index into
-    ``plan.sigmas``. (coef_x, coef_v, std) are the step's Gaussian, N(coef_x x + coef_v v, std^2)
-    (``sde.Transition``), so a replay re-scores it without the schedule arithmetic.
+    sigmas/sigmas_next/logp_old/std (b,) float32. ``step`` is the index into ``plan.sigmas``.
+    ``gaussian`` is the step's policy (``sde.StepGaussian``): a replay re-scores x' with it
+    without redoing the schedule arithmetic.
     """
 
     rows: Tensor
@@ -53,8 +53,7 @@ class ReplayBatch:
     logp_old: Tensor
     mean_old: Tensor
     std: Tensor
-    coef_x: Tensor
-    coef_v: Tensor
+    gaussian: StepGaussian
 
 
 @dataclass
@@ -162,7 +161,7 @@ def run_plan(model: FlowModel, plan: StepPlan, latents: Tensor, cond: Conditioni
                 replay.append(ReplayBatch(rows=rows, step=i, latents=x, next_latents=out.prev_sample,
                                           sigmas=sigma, sigmas_next=sigma_next,
                                           logp_old=out.log_prob, mean_old=out.mean, std=out.std,
-                                          coef_x=out.coef_x, coef_v=out.coef_v))
+                                          gaussian=out.gaussian))
             x = out.prev_sample
         elif i > last_stochastic and plan.solver_after == "dpmpp_2m":
             x, x0 = dpmpp_2m_step(x, velocity, sigma, sigma_next, prev_x0=prev_x0,
@@ -243,8 +242,7 @@ def replay_logp(model: FlowModel, replay: ReplayBatch, cond: Conditioning, setti
     velocity = model.velocity(replay.latents.to(model.dtype), replay.sigmas, cond,
                               settings.guidance_scale)
     if noise_level is None:
-        return score_step(velocity, replay.latents, replay.next_latents, replay.coef_x,
-                          replay.coef_v, replay.std)
+        return score_step(velocity, replay.latents, replay.next_latents, replay.gaussian)
     out = transition(settings.kind, velocity.to(torch.float32), replay.latents, replay.sigmas,
                      replay.sigmas_next,
                      noise_level=noise_level,

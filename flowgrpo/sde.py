@@ -55,6 +55,7 @@ __all__ = [
     "transition",
     "gaussian_log_prob",
     "score_step",
+    "StepGaussian",
     "dpmpp_2m_step",
     "ode_solve",
     "shift_sigma",
@@ -82,17 +83,15 @@ class Transition:
                  per element with constants, reduced over non-batch dims ("mean" or "sum");
                  0 for rows whose std is 0 (the density is degenerate there; 0 keeps the
                  ratio exp(logp - logp_old) at exactly 1 for those rows).
-    coef_x, coef_v: (B,) float32 with mean = coef_x x + coef_v v (every kind's mean is affine
-                 in the sample and the velocity). With ``std`` they are the whole step: a replay
-                 scores x' again with ``score_step`` without redoing the schedule arithmetic.
+    gaussian:    the step's ``StepGaussian`` (mean = coef_x x + coef_v v, std, log-density
+                 constants): a replay re-scores x' with ``score_step`` and it.
     """
 
     prev_sample: Tensor
     mean: Tensor
     std: Tensor
     log_prob: Tensor
-    coef_x: Tensor
-    coef_v: Tensor
+    gaussian: StepGaussian
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -171,6 +170,54 @@ def _standard_normal(like: Tensor, noise: Tensor | None,
 # ----------------------------------------------------------------------------- transitions
 
 
+@dataclass
+class StepGaussian:
+    """One step's policy, x' ~ N(coef_x x + coef_v v, std^2 I) per row, with the constants of its
+    log-density. Every field is (B,) float32 and none depends on the model, so the rollout builds
+    it once per step and a replay re-scores x' with it (``score_step``) without redoing the
+    schedule arithmetic: on CPU-sized latents each small op costs as much as the maths in it.
+
+    log p(x') = -reduce((x' - mean)^2) * half_precision - log_norm, where ``reduce`` is "mean" or
+    "sum" over a row, half_precision = 1 / (2 std^2) and log_norm = n (log std + log sqrt(2 pi)),
+    n = 1 for "mean" and the row's element count for "sum"; both are 0 on rows with std == 0,
+    whose log-prob is 0 (``stochastic`` False).
+    """
+
+    coef_x: Tensor
+    coef_v: Tensor
+    std: Tensor
+    stochastic: Tensor
+    half_precision: Tensor
+    log_norm: Tensor
+    reduce: str
+    numel: int                         # elements per row
+
+    @classmethod
+    def build(cls, coef_x: Tensor, coef_v: Tensor, std: Tensor, numel: int,
+              reduce: str = "mean") -> "StepGaussian":
+        """From the mean's coefficients and the std (B,), for rows of ``numel`` elements."""
+        stochastic = std > 0
+        safe_std = torch.where(stochastic, std, torch.ones_like(std))
+        count = 1.0 if reduce == "mean" else float(numel)
+        zero = torch.zeros_like(std)
+        half_precision = torch.where(stochastic, 0.5 / safe_std.square(), zero)
+        log_norm = torch.where(stochastic, count * (torch.log(safe_std) + _LOG_SQRT_2PI), zero)
+        return cls(coef_x, coef_v, std, stochastic, half_precision, log_norm, reduce, numel)
+
+    def mean(self, sample: Tensor, velocity: Tensor) -> Tensor:
+        """coef_x x + coef_v v: (B, ...) sample and velocity."""
+        return _rows(self.coef_x, sample.ndim) * sample + _rows(self.coef_v, sample.ndim) * velocity
+
+    def log_prob(self, residual: Tensor) -> Tensor:
+        """(B,) log-density of mean + residual (residual (B, ...), treated as given)."""
+        dims = tuple(range(1, residual.ndim))
+        squared = residual.square()
+        reduced = squared.mean(dim=dims) if self.reduce == "mean" else squared.sum(dim=dims)
+        log_prob = torch.addcmul(self.log_norm, reduced, self.half_precision).neg()
+        # where, not the zero constants alone: 0 * inf would be NaN on a degenerate row
+        return torch.where(self.stochastic, log_prob, 0.0)
+
+
 def gaussian_log_prob(value: Tensor, mean: Tensor, std: Tensor, reduce: str = "mean") -> Tensor:
     """Exact log N(value; mean, std^2), per element with constants, reduced over non-batch dims.
 
@@ -180,69 +227,49 @@ def gaussian_log_prob(value: Tensor, mean: Tensor, std: Tensor, reduce: str = "m
     """
     if reduce not in REDUCTIONS:
         raise ValueError(f"reduce must be one of {REDUCTIONS} (got {reduce!r})")
-    return _residual_log_prob(value.detach() - mean, std, reduce)
-
-
-def _residual_log_prob(residual: Tensor, std: Tensor, reduce: str) -> Tensor:
-    """log N(mean + residual; mean, std^2) reduced per row: residual (B, ...), std (B,) -> (B,).
-
-    The std is constant within a row, so the squares are reduced first and scaled after:
-    ``-reduce(residual^2) / (2 std^2) - n (log std + log sqrt(2 pi))``, n = 1 for "mean" and the
-    element count for "sum"; 0 where std == 0. On small latents the per-op cost, not the
-    arithmetic, is what the trainer pays, so the full-size work is two ops (square, reduce).
-    """
-    stochastic = std > 0
-    safe_std = torch.where(stochastic, std, torch.ones_like(std))
-    squared = residual.square().reshape(residual.shape[0], -1)
-    if reduce == "mean":
-        reduced, count = squared.mean(dim=1), 1.0
-    else:
-        reduced, count = squared.sum(dim=1), float(squared.shape[1])
-    log_prob = -reduced / (2.0 * safe_std.square()) - count * (torch.log(safe_std) + _LOG_SQRT_2PI)
-    return torch.where(stochastic, log_prob, torch.zeros_like(log_prob))
-
-
-def _affine_mean(coef_x: Tensor, coef_v: Tensor, sample: Tensor, velocity: Tensor) -> Tensor:
-    """coef_x x + coef_v v: (B,) coefficients, (B, ...) sample and velocity."""
-    return _rows(coef_x, sample.ndim) * sample + _rows(coef_v, sample.ndim) * velocity
+    numel = int(value[0].numel()) if value.shape[0] else 0
+    gaussian = StepGaussian.build(torch.ones_like(std), torch.zeros_like(std), std, numel, reduce)
+    return gaussian.log_prob(value.detach() - mean)
 
 
 class _ScoredStep(torch.autograd.Function):
-    """(mean, log_prob) of a given x' under N(coef_x x + coef_v v, std^2), with the closed-form
-    backward d log_prob / d mean = (x' - mean) / (std^2 n) (n as in ``_residual_log_prob``, 0
-    where std == 0) and d mean = coef_x dx + coef_v dv.
+    """(mean, log_prob) of a given x' under a ``StepGaussian``, with the closed-form backward
+    d log_prob / d mean = (x' - mean) * 2 half_precision / n (n = the row's element count for
+    "mean", 1 for "sum"; 0 where std == 0) and d mean = coef_x dx + coef_v dv.
 
-    The replay path of ``transition``: autograd over the same ops records about ten nodes per
-    call, which on CPU-sized latents cost more than the arithmetic (benchmarks/overhead.py). The
-    forward calls the same helpers as the sampling path, so the log-prob is bit for bit the one
-    sampling returned. Coefficients and std are constants here (no gradient); ``transition``
+    The replay path: autograd over the same ops records about ten nodes per call, which on
+    CPU-sized latents cost more than their arithmetic (benchmarks/overhead.py). The forward calls
+    the same ``StepGaussian`` methods as sampling, so the log-prob is bit for bit the one
+    sampling returned. The Gaussian's fields are constants here (no gradient); ``score_step``
     uses plain autograd when they require one.
     """
 
     @staticmethod
-    def forward(ctx, velocity, sample, value, coef_x, coef_v, std, reduce):
-        mean = _affine_mean(coef_x, coef_v, sample, velocity)
+    def forward(ctx, velocity, sample, value, gaussian):
+        mean = gaussian.mean(sample, velocity)
         residual = value - mean
-        log_prob = _residual_log_prob(residual, std, reduce)
-        count = 1.0 if reduce == "sum" else float(residual[0].numel())
-        scale = torch.where(std > 0, 1.0 / (std.square() * count), torch.zeros_like(std))
-        ctx.save_for_backward(residual, coef_x, coef_v, scale)
+        log_prob = gaussian.log_prob(residual)
+        ctx.save_for_backward(residual)
+        ctx.gaussian = gaussian
         ctx.set_materialize_grads(False)   # the mean's gradient is usually None: skip the zeros
         return mean, log_prob
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_mean, grad_log_prob):
-        residual, coef_x, coef_v, scale = ctx.saved_tensors
+        (residual,) = ctx.saved_tensors
+        gaussian = ctx.gaussian
         grad = grad_mean
         if grad_log_prob is not None:
-            from_log_prob = _rows(grad_log_prob * scale, residual.ndim) * residual
+            count = float(gaussian.numel) if gaussian.reduce == "mean" else 1.0
+            scale = grad_log_prob * gaussian.half_precision * (2.0 / count)
+            from_log_prob = _rows(scale, residual.ndim) * residual
             grad = from_log_prob if grad is None else grad + from_log_prob
         if grad is None:
-            return (None,) * 7
-        grad_velocity = _rows(coef_v, grad.ndim) * grad if ctx.needs_input_grad[0] else None
-        grad_sample = _rows(coef_x, grad.ndim) * grad if ctx.needs_input_grad[1] else None
-        return grad_velocity, grad_sample, None, None, None, None, None
+            return None, None, None, None
+        grad_velocity = _rows(gaussian.coef_v, grad.ndim) * grad if ctx.needs_input_grad[0] else None
+        grad_sample = _rows(gaussian.coef_x, grad.ndim) * grad if ctx.needs_input_grad[1] else None
+        return grad_velocity, grad_sample, None, None
 
 
 def _affine_coefficients(kind: str, sigma: Tensor, sigma_next: Tensor, noise_level: Tensor
@@ -342,37 +369,36 @@ def transition(kind: str, velocity: Tensor, sample: Tensor, sigma: float | Tenso
         if x_next.shape != x.shape:
             raise ValueError(f"prev_sample must have the shape of sample {tuple(x.shape)} "
                              f"(got {tuple(x_next.shape)})")
+    numel = int(x[0].numel()) if batch else 0
     if kind == "ode":   # diffusers' x + v dt, bit for bit; the density is degenerate
         dt = sigma_next_t - sigma_t
         mean = x + v * _rows(dt, x.ndim)
         x_next = mean if prev_sample is None else x_next
         std = torch.zeros_like(sigma_t)
+        gaussian = StepGaussian.build(torch.ones_like(dt), dt, std, numel, reduce)
         return Transition(prev_sample=x_next, mean=mean, std=std,
-                          log_prob=_residual_log_prob(x_next.detach() - mean, std, reduce),
-                          coef_x=torch.ones_like(dt), coef_v=dt)
+                          log_prob=gaussian.log_prob(x_next.detach() - mean), gaussian=gaussian)
     coef_x, coef_v, std = _affine_coefficients(kind, sigma_t, sigma_next_t, level)
+    gaussian = StepGaussian.build(coef_x, coef_v, std, numel, reduce)
     if prev_sample is not None:
-        log_prob, mean = _score(v, x, x_next, coef_x, coef_v, std, reduce)
+        log_prob, mean = _score(v, x, x_next, gaussian)
     else:
-        mean = _affine_mean(coef_x, coef_v, x, v)
+        mean = gaussian.mean(x, v)
         x_next = mean + _rows(std, x.ndim) * _standard_normal(x, noise, generator)
-        log_prob = _residual_log_prob(x_next.detach() - mean, std, reduce)
+        log_prob = gaussian.log_prob(x_next.detach() - mean)
     return Transition(prev_sample=x_next, mean=mean, std=std, log_prob=log_prob,
-                      coef_x=coef_x, coef_v=coef_v)
+                      gaussian=gaussian)
 
 
-def score_step(velocity: Tensor, sample: Tensor, next_sample: Tensor, coef_x: Tensor,
-               coef_v: Tensor, std: Tensor, reduce: str = "mean") -> tuple[Tensor, Tensor]:
+def score_step(velocity: Tensor, sample: Tensor, next_sample: Tensor, gaussian: StepGaussian
+               ) -> tuple[Tensor, Tensor]:
     """Score a recorded step again under a new velocity: the replay path of a trainer.
 
-    velocity, sample, next_sample: (B, ...) (computed in float32); coef_x, coef_v, std: (B,)
-    float32, the ``Transition`` fields of the step that produced ``next_sample``. Returns
-    (log_prob (B,), mean (B, ...)) of N(coef_x x + coef_v v, std^2), bit for bit what
-    ``transition`` returned when it sampled ``next_sample`` from the same velocity. The
-    log-prob's gradient is closed-form (one autograd node), see ``_ScoredStep``.
+    velocity, sample, next_sample: (B, ...) (computed in float32); ``gaussian``: the
+    ``Transition.gaussian`` of the step that produced ``next_sample``. Returns (log_prob (B,),
+    mean (B, ...)), bit for bit what ``transition`` returned when it sampled ``next_sample`` from
+    the same velocity. The gradient is closed-form (one autograd node, ``_ScoredStep``).
     """
-    if reduce not in REDUCTIONS:
-        raise ValueError(f"reduce must be one of {REDUCTIONS} (got {reduce!r})")
     x = _as_float32(sample, "sample")
     v = _as_float32(velocity, "velocity").to(x.device)
     _check_velocity_shape(v, x)
@@ -380,21 +406,20 @@ def score_step(velocity: Tensor, sample: Tensor, next_sample: Tensor, coef_x: Te
     if x_next.shape != x.shape:
         raise ValueError(f"next_sample must have the shape of sample {tuple(x.shape)} "
                          f"(got {tuple(x_next.shape)})")
-    batch = (x.shape[0],)
-    for name, value in (("coef_x", coef_x), ("coef_v", coef_v), ("std", std)):
-        if tuple(value.shape) != batch:
-            raise ValueError(f"{name} must have shape {batch} (got {tuple(value.shape)})")
-    return _score(v, x, x_next, coef_x, coef_v, std, reduce)
+    if tuple(gaussian.std.shape) != (x.shape[0],) or gaussian.numel != x[0].numel():
+        raise ValueError(f"gaussian is for {tuple(gaussian.std.shape)} rows of {gaussian.numel} "
+                         f"elements, sample has {x.shape[0]} rows of {x[0].numel()}")
+    return _score(v, x, x_next, gaussian)
 
 
-def _score(velocity: Tensor, sample: Tensor, next_sample: Tensor, coef_x: Tensor, coef_v: Tensor,
-           std: Tensor, reduce: str) -> tuple[Tensor, Tensor]:
-    """(log_prob, mean) of a given x'; plain autograd when the coefficients carry a gradient."""
-    if coef_x.requires_grad or coef_v.requires_grad or std.requires_grad:
-        mean = _affine_mean(coef_x, coef_v, sample, velocity)
-        return _residual_log_prob(next_sample.detach() - mean, std, reduce), mean
-    mean, log_prob = _ScoredStep.apply(velocity, sample, next_sample.detach(), coef_x, coef_v,
-                                       std, reduce)
+def _score(velocity: Tensor, sample: Tensor, next_sample: Tensor, gaussian: StepGaussian
+           ) -> tuple[Tensor, Tensor]:
+    """(log_prob, mean) of a given x'; plain autograd when the Gaussian carries a gradient."""
+    if any(t.requires_grad for t in (gaussian.coef_x, gaussian.coef_v, gaussian.half_precision,
+                                     gaussian.log_norm)):
+        mean = gaussian.mean(sample, velocity)
+        return gaussian.log_prob(next_sample.detach() - mean), mean
+    mean, log_prob = _ScoredStep.apply(velocity, sample, next_sample.detach(), gaussian)
     return log_prob, mean
 
 

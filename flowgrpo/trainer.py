@@ -277,14 +277,15 @@ class Trainer:
                         loss, record = self.replay_loss(batch, replays[index], advantages,
                                                         settings, clip_high, step_weights[index])
                     (loss / per_step).backward()
-                    for key, value in record.items():
-                        rows.setdefault(key, []).append(value.detach())
+                    for key, value in record.items():   # detached by contract; a detach is an op
+                        rows.setdefault(key, []).append(
+                            value.detach() if value.requires_grad else value)
                     if epoch == 0 and step == 0:   # before any optimiser step: must be exactly 1
                         first_pass_dev.append(record["ratio_max_dev"])
                 grad_norms.append(self.optimizer_step())
         metrics = {f"train/{k}": float(v) for k, v in self.update_metrics(
-            {key: torch.cat([v.reshape(-1) for v in values]) for key, values in rows.items()},
-            clip_high).items()}
+            {key: torch.stack(values) if values[0].dim() == 0 else torch.cat(values)
+             for key, values in rows.items()}, clip_high).items()}
         metrics["train/grad_norm"] = _mean(grad_norms)
         metrics["train/first_pass_ratio_max_dev"] = \
             float(torch.stack(first_pass_dev).max()) if first_pass_dev else 0.0
@@ -343,7 +344,8 @@ class Trainer:
         cond = self.replay_condition(batch, replay)
         t = self.config.training
         logp, mean = replay_logp(self.model, replay, cond, settings)
-        adv = advantages[replay.rows].to(logp.device)
+        adv = advantages[replay.rows]
+        adv = adv if adv.device == logp.device else adv.to(logp.device)
         raw_log_ratio = logp.detach() - replay.logp_old
         log_ratio = guard_log_ratio(logp, replay.logp_old, mean, replay.mean_old, replay.std) \
             if t.ratio_norm else None
@@ -352,7 +354,7 @@ class Trainer:
                               validate=False)
         record = {"log_ratio": raw_log_ratio if log_ratio is None else log_ratio.detach(),
                   "advantages": adv, "weights": weights,
-                  "ratio_max_dev": (raw_log_ratio.exp() - 1).abs().max(),
+                  "ratio_max_dev": torch.expm1(raw_log_ratio).abs().max(),
                   "policy_loss": loss.detach()}
         if t.kl_beta > 0:
             with torch.no_grad(), self.reference_policy():

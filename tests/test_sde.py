@@ -8,6 +8,7 @@ z = (x - (1 - sigma) M) / sqrt(V) constant, so it maps x at sigma = 1 to exactly
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -21,6 +22,7 @@ from flowgrpo.sde import (
     dpmpp_2m_step,
     dynamic_shift_sigmas,
     ode_solve,
+    StepGaussian,
     score_step,
     shift_sigma,
     static_shift_sigmas,
@@ -209,7 +211,7 @@ def test_bf16_inputs_give_float32_outputs_of_the_rounded_inputs(kind):
 
 @pytest.mark.parametrize("kind", STOCHASTIC)
 def test_score_step_replays_the_sampled_step_bit_for_bit(kind):
-    """The trainer's replay path (score_step on the recorded coefficients) returns exactly the
+    """The trainer's replay path (score_step on the recorded StepGaussian) returns exactly the
     log-prob and mean that sampling returned: the first inner pass has ratio 1 exactly."""
     gen = torch.Generator().manual_seed(11)
     x, v = torch.randn(4, 3, 5, 5, generator=gen), torch.randn(4, 3, 5, 5, generator=gen)
@@ -219,18 +221,22 @@ def test_score_step_replays_the_sampled_step_bit_for_bit(kind):
         sampled = transition(kind, v, x, sigma, sigma_next, noise_level=level, generator=gen,
                              reduce=reduce)
         logp, mean = score_step(v.clone().requires_grad_(), x, sampled.prev_sample,
-                                sampled.coef_x, sampled.coef_v, sampled.std, reduce=reduce)
+                                sampled.gaussian)
         assert torch.equal(logp.detach(), sampled.log_prob)
         assert torch.equal(mean.detach(), sampled.mean)
         assert logp[1] == 0 and sampled.std[1] == 0
+
+
+def _requiring_grad(gaussian: StepGaussian) -> StepGaussian:
+    """The same Gaussian with coef_x requiring a gradient: score_step then uses plain autograd."""
+    return dataclasses.replace(gaussian, coef_x=gaussian.coef_x.clone().requires_grad_())
 
 
 @pytest.mark.parametrize("kind", STOCHASTIC)
 @pytest.mark.parametrize("reduce", ["mean", "sum"])
 def test_score_step_closed_form_gradient_equals_autograd(kind, reduce):
     """score_step's hand-written backward (through the log-prob and through the mean, as
-    GRPO-Guard and the KL use it) against autograd over the same maths: coefficients that
-    require a gradient send score_step down the plain-autograd path."""
+    GRPO-Guard and the KL use it) against autograd over the same maths."""
     gen = torch.Generator().manual_seed(12)
     x = torch.randn(3, 2, 4, 4, generator=gen)
     v = torch.randn(3, 2, 4, 4, generator=gen)
@@ -239,12 +245,10 @@ def test_score_step_closed_form_gradient_equals_autograd(kind, reduce):
     weight_logp = torch.randn(3, generator=gen)
     weight_mean = torch.randn(3, 2, 4, 4, generator=gen)
     grads = []
-    for plain in (False, True):
+    for gaussian in (sampled.gaussian, _requiring_grad(sampled.gaussian)):
         velocity = (v + 0.1).requires_grad_()
         sample = x.clone().requires_grad_()
-        coef_x = sampled.coef_x.clone().requires_grad_(plain)
-        logp, mean = score_step(velocity, sample, sampled.prev_sample, coef_x, sampled.coef_v,
-                                sampled.std, reduce=reduce)
+        logp, mean = score_step(velocity, sample, sampled.prev_sample, gaussian)
         ((weight_logp * logp).sum() + (weight_mean * mean).sum()).backward()
         grads.append((velocity.grad, sample.grad, logp.detach(), mean.detach()))
     (fused_v, fused_x, fused_logp, fused_mean), (auto_v, auto_x, auto_logp, auto_mean) = grads
@@ -266,16 +270,20 @@ def test_score_step_gradcheck_in_float64():
     coef_v = torch.tensor([-0.1, -0.2, -0.05], dtype=torch.float64)
     std = torch.tensor([0.3, 0.0, 0.5], dtype=torch.float64)
     for reduce in ("mean", "sum"):
+        gaussian = StepGaussian.build(coef_x, coef_v, std, 6, reduce)
         assert torch.autograd.gradcheck(
-            lambda v, x: _ScoredStep.apply(v, x, value, coef_x, coef_v, std, reduce), (v, x))
+            lambda v, x: _ScoredStep.apply(v, x, value, gaussian), (v, x))
 
 
-def test_score_step_rejects_mismatched_shapes():
+def test_score_step_rejects_a_gaussian_of_another_shape():
     x = torch.zeros(2, 3)
-    with pytest.raises(ValueError, match="coef_v must have shape"):
-        score_step(x, x, x, torch.ones(2), torch.ones(3), torch.ones(2))
+    two_rows = StepGaussian.build(torch.ones(2), torch.ones(2), torch.ones(2), 3)
+    with pytest.raises(ValueError, match="gaussian is for"):
+        score_step(x, x, x, StepGaussian.build(torch.ones(3), torch.ones(3), torch.ones(3), 3))
+    with pytest.raises(ValueError, match="gaussian is for"):
+        score_step(torch.zeros(2, 4), torch.zeros(2, 4), torch.zeros(2, 4), two_rows)
     with pytest.raises(ValueError, match="next_sample must have the shape"):
-        score_step(x, x, torch.zeros(2, 4), torch.ones(2), torch.ones(2), torch.ones(2))
+        score_step(x, x, torch.zeros(2, 4), two_rows)
 
 
 def test_given_noise_equals_generator_draw_and_rows_are_batch_independent():
