@@ -1,6 +1,6 @@
 """Trainer overhead: wall time of a training iteration / the model's own compute it needed.
 
-    python benchmarks/overhead.py [--iterations 2] [--size 32] [--steps 10] [--profile PLAN]
+    python benchmarks/overhead.py [--iterations 2] [--size 32] [--steps 10] [--ops] [--profile PLAN]
 
 For each plan (full, window, window + DPM-Solver++ compression, branch, one_step) the real
 ``Trainer`` runs one warm-up iteration and then ``--iterations`` measured ones on the tiny SD3
@@ -276,6 +276,62 @@ class TimedTrainer(Trainer):
                       torch.device(self.model.device))()
 
 
+def op_census(trainer: Trainer, iteration: int) -> dict[str, float]:
+    """Operator counts of one update (plain ``trainer``), per replay batch: top-level aten ops
+    of the forward passes inside the transformer ("model_forward") and outside it
+    ("ours_forward": SDE log-prob, loss, records, adapter glue, optimiser), and autograd nodes
+    run by the backward passes, the transformer's (and its weights' gradient accumulation) or
+    ours. Counts do not depend on the machine's speed or load, unlike the timings; at these
+    sizes every op costs a few microseconds whatever its size, so ours / model is about the
+    overhead's floor."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    scopes: list = []
+
+    def enter(module, args):
+        scopes.append(record_function("model"))
+        scopes[-1].__enter__()
+
+    def leave(module, args, output):
+        scopes.pop().__exit__(None, None, None)
+
+    hooks = [trainer.model.transformer.register_forward_pre_hook(enter),
+             trainer.model.transformer.register_forward_hook(leave)]
+    try:
+        batch, rewards, _ = trainer.rollout_and_score(iteration)
+        advantages, _ = trainer.compute_advantages(batch, rewards)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            trainer.update(batch, advantages, iteration)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    counts = {"ours_forward": 0, "model_forward": 0, "ours_backward": 0, "model_backward": 0}
+    model_sequence: set[int] = set()
+    nodes = []
+    for event in prof.events():
+        if event.name.startswith("autograd::engine::evaluate_function"):
+            nodes.append(event)
+            continue
+        if not event.name.startswith("aten::"):
+            continue
+        parents, parent = [], event.cpu_parent
+        while parent is not None:
+            parents.append(parent.name)
+            parent = parent.cpu_parent
+        if any(p.startswith("autograd::engine") for p in parents):
+            continue                                     # inside a backward node
+        in_model = "model" in parents
+        if in_model and event.sequence_nr >= 0:
+            model_sequence.add(event.sequence_nr)
+        if not any(p.startswith("aten::") for p in parents):
+            counts["model_forward" if in_model else "ours_forward"] += 1
+    for node in nodes:
+        is_model = node.sequence_nr in model_sequence or "AccumulateGrad" in node.name
+        counts["model_backward" if is_model else "ours_backward"] += 1
+    replays = max(len(batch.replay), 1)
+    return {key: value / replays for key, value in counts.items()}
+
+
 def make_config(family: str, path: str, plan: dict, args: argparse.Namespace, workdir: Path):
     (workdir / "prompts.txt").write_text("a red square\na blue circle\na green cat\na cat\n")
     options = {"height": args.size, "width": args.size, "max_sequence_length": 16} \
@@ -384,6 +440,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--plans", default=",".join(PLANS), help="comma-separated plan names")
     parser.add_argument("--models", default="sd3,toy", help="comma-separated: sd3, toy")
     parser.add_argument("--target", type=float, default=1.10)
+    parser.add_argument("--ops", action="store_true",
+                        help="also count the aten ops of one update per replay batch, ours vs "
+                             "the transformer's (op_census), for every model and plan")
     parser.add_argument("--profile", default=None, metavar="PLAN",
                         help="also cProfile one iteration of PLAN (first model, plain Trainer) and print "
                              "the top entries")
@@ -414,6 +473,18 @@ def main(argv: list[str] | None = None) -> None:
               f"{args.steps} steps, {args.size} px (SD3), LoRA r4, {args.threads} thread(s); "
               f"sums over {args.iterations} iteration(s) after a warm-up")
         print_table(rows, args.target)
+        if args.ops:
+            print("\nops per replay batch (one update, plain Trainer): forward ops ours / model, "
+                  "backward nodes ours / model")
+            for family, path in models:
+                for plan in plans:
+                    trainer = Trainer(make_config(family, path, PLANS[plan], args, workdir))
+                    trainer.run_iteration(0)
+                    c = op_census(trainer, 1)
+                    print(f"{family:<5} {plan:<10} forward {c['ours_forward']:6.1f} / "
+                          f"{c['model_forward']:6.1f}   backward {c['ours_backward']:5.1f} / "
+                          f"{c['model_backward']:6.1f}   ours / model "
+                          f"{(c['ours_forward'] + c['ours_backward']) / (c['model_forward'] + c['model_backward']):.3f}")
         if args.profile:
             family, path = models[0]
             trainer = Trainer(make_config(family, path, PLANS[args.profile], args, workdir))
