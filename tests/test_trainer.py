@@ -66,10 +66,34 @@ def test_update_statistics_describe_the_update(tiny_sd3_path, tmp_path):
     assert metrics["train/approx_kl"] > 0.0
 
 
+def test_guard_and_kl_stay_on_policy_then_move(tiny_sd3_path, tmp_path):
+    """Guard's ratio, 1/dt weights and the KL to the LoRA-disabled reference: the first pass is
+    exactly on-policy (zero-initialised LoRA = the reference), and a second inner epoch after an
+    optimiser step moves both the ratios and the KL."""
+    trainer = Trainer(tiny_config(tiny_sd3_path, tmp_path, "training.skip_zero_std_groups=false",
+                                  "training.ratio_norm=true", "training.dt_reweight=true",
+                                  "training.kl_beta=0.1", "training.num_inner_epochs=2",
+                                  "training.lr=1e-1"))
+    metrics = trainer.run_iteration(0)
+    assert metrics["train/first_pass_ratio_max_dev"] == 0.0
+    assert metrics["train/kl"] > 0.0
+    assert metrics["train/ratio_min"] < 1.0 < metrics["train/ratio_max"]
+    single = Trainer(tiny_config(tiny_sd3_path, tmp_path / "single",
+                                 "training.skip_zero_std_groups=false", "training.ratio_norm=true",
+                                 "training.kl_beta=0.1"))
+    metrics = single.run_iteration(0)
+    assert metrics["train/kl"] == 0.0 and metrics["train/ratio_max"] == 1.0
+
+
+@pytest.mark.parametrize("guard", [False, True])
 @pytest.mark.parametrize("sign", [1.0, -1.0])
-def test_advantage_sign_moves_log_prob(sign, tiny_sd3_path, tmp_path):
+def test_advantage_sign_moves_log_prob(sign, guard, tiny_sd3_path, tmp_path):
+    """With GRPO-Guard the loss reads the replay's mean as well as its log-prob: the gradient
+    reaches the model through score_step's mean output too."""
+    extra = ["training.ratio_norm=true", "training.dt_reweight=true"] if guard else []
     trainer = Trainer(tiny_config(tiny_sd3_path, tmp_path, "training.lr=1e-3",
-                                  "training.clip_low=1.0", "training.clip_high=10.0", "training.max_grad_norm=0"))
+                                  "training.clip_low=1.0", "training.clip_high=10.0",
+                                  "training.max_grad_norm=0", *extra))
     batch, rewards, _ = trainer.rollout_and_score(0)
     advantages = torch.full((len(batch.prompts),), sign)
     before = torch.cat([r.logp_old for r in batch.replay])
