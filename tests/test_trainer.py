@@ -182,10 +182,14 @@ def test_checkpoint_lora_loads_in_stock_pipeline(tiny_sd3_path, tmp_path):
 def test_mean_reward_rises_over_20_iterations(tiny_sd3_path, tmp_path):
     """Learning happens on the tiny SD3 build: brightness of the decoded image (a cheap, smooth
     reward) rises over 20 iterations by more than the noise of the per-iteration means.
+    Full fine-tuning at lr 1e-3: gains of 12-17 standard errors for seeds 0, 1, 2 (measured
+    2026-11-30). LoRA r4 on this random build's attention moved the mean by only 0.5-5 standard
+    errors depending on the seed (lr 1e-2 to 1e-1), so the test failed or passed with the noise
+    stream; the LoRA path's learning direction is tested in test_advantage_sign_moves_log_prob.
     Run: bash scripts/test.sh -m slow -k reward_rises"""
     config = tiny_config(tiny_sd3_path, tmp_path, "run.max_iterations=20",
                          "rewards.components=[{name: 'tests.helpers:Brightness'}]",
-                         "training.lr=1e-2", "training.clip_low=0.2",
+                         "model.lora.enabled=false", "training.lr=1e-3", "training.clip_low=0.2",
                          "training.gradient_accumulation_steps=1",
                          "training.prompts_per_iteration=4", "training.group_size=8",
                          "sampling.rollout_batch_size=8")
