@@ -131,15 +131,20 @@ class TimedReward:
         return value
 
 
-class _TimedBackward(torch.autograd.Function):
-    """Identity on the transformer's output: its backward runs when the gradient reaches that
-    output, starts a clock, and queues a callback that stops it when the whole pass has finished
-    (what runs after it is the transformer's and its weights' backward)."""
+class _ClockIdentity(torch.autograd.Function):
+    """Identity whose backward (defined by a subclass) reads the clock when the gradient
+    arrives at the tensor it was applied to."""
 
     @staticmethod
-    def forward(ctx, loss, clock, device):
+    def forward(ctx, tensor, clock, device):
         ctx.clock, ctx.device = clock, device
-        return loss.view_as(loss)
+        return tensor.view_as(tensor)
+
+
+class _TimedBackward(_ClockIdentity):
+    """On the transformer's output: its backward runs when the gradient reaches that output,
+    starts a clock, and queues a callback that stops it when the whole pass has finished (what
+    runs after it is the transformer's and its weights' backward)."""
 
     @staticmethod
     def backward(ctx, grad):
@@ -159,14 +164,9 @@ class _TimedBackward(torch.autograd.Function):
         return grad, None, None
 
 
-class _BackwardPassStart(torch.autograd.Function):
-    """Identity on a replay batch's loss: its backward is the first node of ``loss.backward()``
-    and notes when the pass began (the loss's own backward, our maths, runs from there)."""
-
-    @staticmethod
-    def forward(ctx, loss, clock, device):
-        ctx.clock, ctx.device = clock, device
-        return loss.view_as(loss)
+class _BackwardPassStart(_ClockIdentity):
+    """On a replay batch's loss: its backward is the first node of ``loss.backward()`` and notes
+    when the pass began (the loss's own backward, our maths, runs from there)."""
 
     @staticmethod
     def backward(ctx, grad):

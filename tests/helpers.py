@@ -1,8 +1,26 @@
 """Small rewards and builders shared by trainer tests (loaded by dotted path, like a user's own)."""
 from __future__ import annotations
 
-import torch
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
 from torch import Tensor
+
+
+def load_benchmark(name: str) -> ModuleType:
+    """benchmarks/<name>.py as a module (benchmarks/ is scripts, not a package)."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"{name}_bench", path)
+    module = importlib.util.module_from_spec(spec)
+    # dataclasses look their module up in sys.modules while the classes are created.
+    sys.modules[spec.name] = module
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        del sys.modules[spec.name]
+    return module
 
 
 class Brightness:

@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import copy
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
@@ -11,22 +9,14 @@ import torch
 
 from flowgrpo.config import load_config
 from flowgrpo.plans import make_plan
+from tests.helpers import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def bench():
-    path = ROOT / "benchmarks" / "methods.py"
-    spec = importlib.util.spec_from_file_location("methods_bench", path)
-    module = importlib.util.module_from_spec(spec)
-    # dataclasses look their module up in sys.modules while the classes are created.
-    sys.modules[spec.name] = module
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        del sys.modules[spec.name]
-    return module
+    return load_benchmark("methods")
 
 
 def _settings(bench, tmp_path):

@@ -2,26 +2,15 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def bench():
-    path = ROOT / "benchmarks" / "overhead.py"
-    spec = importlib.util.spec_from_file_location("overhead_bench", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    try:
-        spec.loader.exec_module(module)
-    finally:
-        del sys.modules[spec.name]
-    return module
+    return load_benchmark("overhead")
 
 
 @pytest.mark.parametrize("plan", ["full", "window"])
