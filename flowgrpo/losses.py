@@ -115,20 +115,47 @@ def policy_loss(logp: Tensor, logp_old: Tensor, advantages: Tensor, clip_low: fl
         weights = _data(weights, dtype)
     advantages = _data(advantages, dtype)
 
-    # Per call this is a dozen ops on (B,) tensors; the trainer makes one call per replay batch,
-    # so each op saved shows in benchmarks/overhead.py. max(-A r, -A clip(r)) is written as
-    # -min(A r, A clip(r)) (one negation less), and a row with w = 0 gets r = 1 before the
-    # surrogate and 0 after it, so an inf/NaN log-ratio or advantage there gives no NaN.
-    kept = weights > 0
-    log_ratio = torch.where(kept, log_ratio, 0.0)
-    ratio = torch.exp(log_ratio)
-    ratio_clipped = ratio.clamp(1 - clip_low, 1 + clip_high)
-    per_sample = torch.where(kept, weights * torch.minimum(advantages * ratio,
-                                                           advantages * ratio_clipped), 0.0)
-    loss = -per_sample.sum() / kept.sum().clamp(min=1)
+    loss = _ClippedSurrogate.apply(log_ratio, advantages, weights, clip_low, clip_high)
     if not with_stats:
         return loss, {}
-    return loss, surrogate_stats(log_ratio.detach(), advantages, clip_low, clip_high, weights)
+    kept_log_ratio = torch.where(weights > 0, log_ratio.detach(), 0.0)
+    return loss, surrogate_stats(kept_log_ratio, advantages, clip_low, clip_high, weights)
+
+
+class _ClippedSurrogate(torch.autograd.Function):
+    """The loss of ``policy_loss`` from (B,) log_ratio, advantages, weights, with the
+    closed-form gradient
+
+        d loss / d log r_i = -w_i A_i r_i / #{w > 0}   where w_i > 0 and A r <= A clip(r),
+                             0                          elsewhere (clipped on the side A pushes).
+
+    Inside the clip range this is the gradient autograd gives the same ops (there A r ==
+    A clip(r) and torch.minimum's two halves add up to the unclipped one). Exactly on an edge of
+    the range, autograd's clamp passes nothing and the result is half of it; here the ratio has
+    not left the range, so the edge keeps the full unclipped gradient. One autograd node instead
+    of about ten: the trainer calls this once per replay batch, and at CPU sizes each node costs
+    as much as its arithmetic (benchmarks/overhead.py). max(-A r, -A clip r) is computed as
+    -min(A r, A clip r). A row with w = 0 gets r = 1 before the surrogate and 0 after it, so an
+    inf/NaN log-ratio or advantage there gives neither a NaN value nor a NaN gradient.
+    """
+
+    @staticmethod
+    def forward(ctx, log_ratio, advantages, weights, clip_low, clip_high):
+        kept = weights > 0
+        ratio = torch.exp(torch.where(kept, log_ratio, 0.0))
+        scaled = advantages * ratio
+        scaled_clipped = advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
+        count = kept.sum().clamp(min=1)
+        per_sample = torch.where(kept, weights * torch.minimum(scaled, scaled_clipped), 0.0)
+        active = kept & (scaled <= scaled_clipped)
+        ctx.save_for_backward(torch.where(active, -weights * scaled / count, 0.0))
+        return -per_sample.sum() / count
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        (gradient,) = ctx.saved_tensors
+        return grad * gradient, None, None, None, None
 
 
 def _data(tensor: Tensor, dtype: torch.dtype, keep_grad: bool = False) -> Tensor:

@@ -150,6 +150,47 @@ def test_policy_loss_uses_given_log_ratio():
     assert stats["ratio_max"].item() == pytest.approx(math.exp(0.1), rel=1e-6)
 
 
+def _autograd_surrogate(log_ratio, advantages, weights, clip_low, clip_high):
+    """The clipped surrogate as plain autograd ops: the reference for the closed-form gradient."""
+    kept = weights > 0
+    ratio = torch.exp(torch.where(kept, log_ratio, torch.zeros_like(log_ratio)))
+    per_sample = torch.maximum(-advantages * ratio,
+                               -advantages * ratio.clamp(1 - clip_low, 1 + clip_high))
+    per_sample = torch.where(kept, per_sample, torch.zeros_like(per_sample))
+    return (weights * per_sample).sum() / kept.sum().clamp(min=1)
+
+
+def test_policy_loss_closed_form_gradient_equals_autograd():
+    """Rows inside the clip range, clipped on either side for either sign of A, A = 0, and a
+    zero-weight row with an overflowing log-ratio: value and gradient equal autograd over the
+    plain ops. Exactly on an edge of the range the unclipped gradient is kept whole, where
+    autograd's clamp/minimum conventions give half of it."""
+    clip_low, clip_high = 0.2, 0.3
+    log_ratio = torch.tensor([0.0, 0.05, -0.1, 0.5, 0.5, -0.5, -0.5, 0.1, 800.0],
+                             dtype=torch.float64)
+    advantages = torch.tensor([1.0, -2.0, 0.5, 1.0, -1.0, 1.0, -1.0, 0.0, 1.0],
+                              dtype=torch.float64)
+    weights = torch.tensor([1.0, 2.0, 0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0], dtype=torch.float64)
+    ours = log_ratio.clone().requires_grad_()
+    reference = log_ratio.clone().requires_grad_()
+    loss, _ = policy_loss(ours, torch.zeros_like(log_ratio), advantages, clip_low, clip_high,
+                          weights=weights)
+    expected = _autograd_surrogate(reference, advantages, weights, clip_low, clip_high)
+    loss.backward()
+    expected.backward()
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-12)
+    torch.testing.assert_close(ours.grad, reference.grad, rtol=1e-12, atol=0)
+    # clipped on the side A pushes: exactly 0; the others move
+    assert ours.grad[[3, 6]].abs().sum() == 0 and (ours.grad[[4, 5]] != 0).all()
+    assert torch.isfinite(ours.grad).all() and ours.grad[-1] == 0
+    for edge, advantage in ((1 - clip_low, 1.0), (1 + clip_high, -1.0)):
+        at_edge = torch.tensor([math.log(edge)], dtype=torch.float64, requires_grad=True)
+        loss, _ = policy_loss(at_edge, torch.zeros(1, dtype=torch.float64),
+                              torch.tensor([advantage], dtype=torch.float64), clip_low, clip_high)
+        loss.backward()
+        assert at_edge.grad.item() == pytest.approx(-advantage * math.exp(at_edge.item()), rel=1e-12)
+
+
 def test_policy_loss_rejects_bad_arguments():
     x = torch.zeros(3)
     with pytest.raises(ValueError, match="clip_low"):
