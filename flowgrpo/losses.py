@@ -118,8 +118,7 @@ def policy_loss(logp: Tensor, logp_old: Tensor, advantages: Tensor, clip_low: fl
     loss = _ClippedSurrogate.apply(log_ratio, advantages, weights, clip_low, clip_high)
     if not with_stats:
         return loss, {}
-    kept_log_ratio = torch.where(weights > 0, log_ratio.detach(), 0.0)
-    return loss, surrogate_stats(kept_log_ratio, advantages, clip_low, clip_high, weights)
+    return loss, surrogate_stats(log_ratio, advantages, clip_low, clip_high, weights)
 
 
 class _ClippedSurrogate(torch.autograd.Function):

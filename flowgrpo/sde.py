@@ -31,9 +31,10 @@ fixed a^4/4 of variance there, which later steps mostly absorb. ``cps`` with a m
 step size, so its samples are under-dispersed (mean exact); a = 0 is Euler.
 
 Every kind's mean is affine in (x, v), ``mean = coef_x x + coef_v v`` with per-sample
-coefficients, and ``Transition`` returns them. A trainer re-scores a recorded step under new
-weights with ``score_step`` (the recorded coefficients and std, a closed-form backward), bit for
-bit what sampling returned: the first inner pass of an update has ratio exactly 1.
+coefficients. ``Transition.gaussian`` (a ``StepGaussian``) holds them with the std and the
+log-density's constants; a trainer re-scores a recorded step under new weights with
+``score_step(velocity, x, x', gaussian)`` (closed-form backward), bit for bit what sampling
+returned, so the first inner pass of an update has ratio exactly 1.
 
 The deterministic stretches of a trajectory may use DPM-Solver++(2M) (``dpmpp_2m_step``), and
 ``ode_solve`` integrates a whole schedule. The sigma schedules reproduce diffusers'
@@ -84,7 +85,7 @@ class Transition:
                  0 for rows whose std is 0 (the density is degenerate there; 0 keeps the
                  ratio exp(logp - logp_old) at exactly 1 for those rows).
     gaussian:    the step's ``StepGaussian`` (mean = coef_x x + coef_v v, std, log-density
-                 constants): a replay re-scores x' with ``score_step`` and it.
+                 constants), which ``score_step`` takes to re-score x' in a replay.
     """
 
     prev_sample: Tensor

@@ -324,14 +324,13 @@ class Trainer:
             self._cond_unique = self.model.encode_prompts(unique).to(self.model.device)
             self._cond_index = torch.tensor([unique.index(p) for p in batch.prompts])
             self._cond_batch = batch
-            self._cond_by_rows: dict[int, tuple[Tensor, object]] = {}
-        # Keyed by the tensor's id, and the tensor kept with the value: the batch keeps every
-        # rows tensor alive, so an id cannot be reused while this cache is in use.
+            self._cond_by_rows = {}
+        # Keyed by the tensor's id: the batch keeps every rows tensor alive, so an id cannot be
+        # reused while this cache (reset with the batch) is in use.
         key = id(replay.rows)
         if key not in self._cond_by_rows:
-            self._cond_by_rows[key] = (replay.rows,
-                                       self._cond_unique.select(self._cond_index[replay.rows]))
-        return self._cond_by_rows[key][1]
+            self._cond_by_rows[key] = self._cond_unique.select(self._cond_index[replay.rows])
+        return self._cond_by_rows[key]
 
     def replay_loss(self, batch: RolloutBatch, replay, advantages: Tensor,
                     settings: RolloutSettings, clip_high: float, weights: Tensor
