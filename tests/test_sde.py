@@ -275,6 +275,17 @@ def test_score_step_gradcheck_in_float64():
             lambda v, x: _ScoredStep.apply(v, x, value, gaussian), (v, x))
 
 
+def test_degenerate_rows_score_zero_even_for_a_non_finite_residual():
+    """std == 0 rows have log-prob 0 by convention; an inf residual there must not make NaN
+    (0 * inf) nor leak into the other rows."""
+    gaussian = StepGaussian.build(torch.ones(2), torch.zeros(2), torch.tensor([0.5, 0.0]), 3)
+    residual = torch.tensor([[0.1, -0.2, 0.3], [float("inf"), 0.0, 1.0]])
+    log_prob = gaussian.log_prob(residual)
+    assert log_prob[1] == 0
+    expected = -(residual[0] ** 2).mean() / (2 * 0.25) - math.log(0.5) - 0.5 * math.log(2 * math.pi)
+    assert log_prob[0].item() == pytest.approx(expected.item(), rel=1e-6)
+
+
 def test_score_step_rejects_a_gaussian_of_another_shape():
     x = torch.zeros(2, 3)
     two_rows = StepGaussian.build(torch.ones(2), torch.ones(2), torch.ones(2), 3)

@@ -66,6 +66,33 @@ def test_update_statistics_describe_the_update(tiny_sd3_path, tmp_path):
     assert metrics["train/approx_kl"] > 0.0
 
 
+def test_first_pass_deviation_reports_a_policy_change_before_the_update(tiny_sd3_path, tmp_path):
+    """train/first_pass_ratio_max_dev is the on-policy check: 0 when rollout and replay see the
+    same weights, and the largest |ratio - 1| when the weights moved in between."""
+    trainer = Trainer(tiny_config(tiny_sd3_path, tmp_path, "training.skip_zero_std_groups=false"))
+    batch, rewards, _ = trainer.rollout_and_score(0)
+    advantages, _ = trainer.compute_advantages(batch, rewards)
+    with torch.no_grad():
+        for param in trainer.trainable.values():
+            param.add_(0.05 * torch.randn_like(param))
+    metrics = trainer.update(batch, advantages, 0)
+    assert metrics["train/first_pass_ratio_max_dev"] > 1e-4
+
+
+def test_negative_step_weights_are_refused_once_per_update(tiny_sd3_path, tmp_path, monkeypatch):
+    """The loss skips its per-call weight check (a host sync on GPU) because step_weights
+    checks the iteration's weights once."""
+    import flowgrpo.trainer as trainer_module
+
+    monkeypatch.setattr(trainer_module, "rectification_weights",
+                        lambda sigmas, sigmas_next, std, normalize:
+                        torch.linspace(-1.0, 3.0, len(std)))   # mean > 0: some stay negative
+    trainer = Trainer(tiny_config(tiny_sd3_path, tmp_path, "training.rectification=true",
+                                  "training.skip_zero_std_groups=false"))
+    with pytest.raises(ValueError, match="weights must be >= 0"):
+        trainer.run_iteration(0)
+
+
 def test_guard_and_kl_stay_on_policy_then_move(tiny_sd3_path, tmp_path):
     """Guard's ratio, 1/dt weights and the KL to the LoRA-disabled reference: the first pass is
     exactly on-policy (zero-initialised LoRA = the reference), and a second inner epoch after an
