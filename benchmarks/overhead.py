@@ -1,6 +1,7 @@
 """Trainer overhead: wall time of a training iteration / the model's own compute it needed.
 
-    python benchmarks/overhead.py [--iterations 2] [--size 32] [--steps 10] [--ops] [--profile PLAN]
+    python benchmarks/overhead.py [--iterations 2] [--size 32] [--steps 10] [--layers 2 --heads 2]
+                                  [--ops] [--profile PLAN]
 
 For each plan (full, window, window + DPM-Solver++ compression, branch, one_step) the real
 ``Trainer`` runs one warm-up iteration and then ``--iterations`` measured ones on the tiny SD3
@@ -14,6 +15,12 @@ the same run, without editing the trainer:
   backward of the transformer (and of the LoRA weights in it) is model time, and the backward of
   our own maths before it (policy loss, KL, transition log-prob; timed from an identity on the
   loss) is overhead, counted in "maths";
+- the autograd engine's own time in such a pass ("engine", part of the model's time):
+  ``Tensor.backward`` is wrapped, and the time from the call to the first node (the engine's
+  setup and its dependency count over the whole graph, >99% the transformer's nodes) and from
+  the end of the pass to the return is what a backward of the transformer alone would pay too.
+  (Before 2026-11-30, afternoon, it fell into "rest": 0.16 ms a replay batch on the tiny SD3
+  build, about 2.5% of its update phase);
 - VAE decode and prompt encoding: ``model.decode`` / ``model.encode_prompts`` wrapped;
 - rewards: the reward classes' own ``__call__`` / ``components`` wrapped inside ``MultiReward``.
 
@@ -66,7 +73,7 @@ PLANS: dict[str, dict] = {
     "one_step": {"kind": "one_step"},
 }
 PHASES = ("rollout", "reward", "update")
-MODEL_KINDS = ("forward", "backward", "decode", "encode", "reward")
+MODEL_KINDS = ("forward", "backward", "engine", "decode", "encode", "reward")
 
 
 class ModelClock:
@@ -74,7 +81,13 @@ class ModelClock:
 
     def __init__(self) -> None:
         self.phase = "rollout"
-        self.pass_began: float | None = None    # set by _BackwardPassStart
+        # One backward() call: called (the timed Tensor.backward), pass_began (_BackwardPassStart:
+        # the engine runs its first node), reached (_TimedBackward: the gradient is at the
+        # transformer's output), stopped (the end-of-pass callback).
+        self.called: float | None = None
+        self.pass_began: float | None = None
+        self.reached: float | None = None
+        self.stopped: float | None = None
         self.seconds: dict[tuple[str, str], float] = defaultdict(float)
         self.calls: dict[tuple[str, str], int] = defaultdict(int)
 
@@ -151,16 +164,19 @@ class _TimedBackward(_ClockIdentity):
         from torch.autograd import Variable
 
         _sync(ctx.device)
+        clock = ctx.clock
         began = time.perf_counter()
-        if ctx.clock.pass_began is not None:   # the maths' backward ran from then until now
-            ctx.clock.add("maths", began - ctx.clock.pass_began)
-            ctx.clock.pass_began = None
+        if clock.reached is None:          # the first transformer output this pass reaches
+            clock.reached = began
+            if clock.pass_began is not None:   # the maths' backward ran from then until now
+                clock.add("maths_backward", began - clock.pass_began)
 
-        def stop() -> None:
-            _sync(ctx.device)
-            ctx.clock.add("backward", time.perf_counter() - began)
+            def stop() -> None:
+                _sync(ctx.device)
+                clock.stopped = time.perf_counter()
+                clock.add("backward", clock.stopped - clock.reached)
 
-        Variable._execution_engine.queue_callback(stop)
+            Variable._execution_engine.queue_callback(stop)
         return grad, None, None
 
 
@@ -173,6 +189,29 @@ class _BackwardPassStart(_ClockIdentity):
         _sync(ctx.device)
         ctx.clock.pass_began = time.perf_counter()
         return grad, None, None
+
+
+def _timed_tensor_backward(backward, clock: ModelClock):
+    """``Tensor.backward`` that charges the autograd engine's own time in a pass through the
+    transformer to the model ("engine"): from the call to the first node (the GraphTask and the
+    dependency count over the whole graph, >99% the transformer's nodes) and from the end of
+    the pass to the return. A backward of the transformer alone pays the same; measured
+    0.16 ms a call on the tiny SD3 build, whose node execution takes about 3 ms. Our nodes'
+    execution stays overhead ("maths")."""
+
+    def wrapper(tensor, *args, **kwargs):
+        clock.called, clock.pass_began, clock.reached, clock.stopped = \
+            time.perf_counter(), None, None, None
+        try:
+            return backward(tensor, *args, **kwargs)
+        finally:
+            ended = time.perf_counter()
+            if clock.reached is not None and clock.stopped is not None:
+                first_node = clock.pass_began if clock.pass_began is not None else clock.reached
+                clock.add("engine", (first_node - clock.called) + (ended - clock.stopped))
+            clock.called = clock.pass_began = clock.reached = clock.stopped = None
+
+    return wrapper
 
 
 def _with_backward_clock(output, clock: ModelClock, device: torch.device):
@@ -213,6 +252,8 @@ def timed_functions(clock: ModelClock, device: torch.device) -> Iterator[None]:
     saved = [(module, name, getattr(module, name)) for module, name, _ in targets]
     for module, name, kind in targets:
         setattr(module, name, _timed(getattr(module, name), clock, kind, device))
+    saved.append((torch.Tensor, "backward", torch.Tensor.backward))
+    torch.Tensor.backward = _timed_tensor_backward(torch.Tensor.backward, clock)
     try:
         yield
     finally:
@@ -396,7 +437,7 @@ def print_table(rows: list[tuple[str, str, dict]], target: float) -> None:
     """One line per (model, plan, phase): the plain trainer's wall and the model's ms, their ratio,
     the instrumentation's cost, and the instrumented run's overhead split into maths / noise /
     cond / adapt / optim / rest (ms)."""
-    header = (f"{'model':<5} {'plan':<10} {'phase':<7} {'wall':>7} {'model':>7} {'ratio':>6} "
+    header = (f"{'model':<5} {'plan':<10} {'phase':<7} {'wall':>7} {'model':>7} {'engine':>6} {'ratio':>6} "
               f"{'instr':>6} {'over':>6} | {'maths':>6} {'noise':>6} {'cond':>6} {'adapt':>6} {'optim':>6} "
               f"{'rest':>6}  calls")
     print(header)
@@ -410,6 +451,7 @@ def print_table(rows: list[tuple[str, str, dict]], target: float) -> None:
             model = clock.total(which) * 1e3
             parts = {kind: clock.total(which, (kind,)) * 1e3
                      for kind in ("maths", "noise", "cond", "velocity", "optim")}
+            parts["maths"] += clock.total(which, ("maths_backward",)) * 1e3
             parts["cond"] -= clock.total(which, ("encode",)) * 1e3   # encoders are model time
             parts["velocity"] -= clock.total(which, ("forward",)) * 1e3
             rest = timed_wall - model - sum(parts.values())
@@ -420,12 +462,14 @@ def print_table(rows: list[tuple[str, str, dict]], target: float) -> None:
                                f"bwd {clock.calls[('update', 'backward')]}",
                      "total": f"nfe {result['nfe']}, trained {result['trained']}"}[phase]
             flag = "  <-- above target" if ratio > target else ""
-            print(f"{family:<5} {plan:<10} {phase:<7} {wall:>7.1f} {model:>7.1f} {ratio:>6.3f} "
+            engine = clock.total(which, ("engine",)) * 1e3
+            print(f"{family:<5} {plan:<10} {phase:<7} {wall:>7.1f} {model:>7.1f} {engine:>6.1f} {ratio:>6.3f} "
                   f"{timed_wall - wall:>6.1f} {timed_wall - model:>6.1f} | {parts['maths']:>6.1f} {parts['noise']:>6.1f} "
                   f"{parts['cond']:>6.1f} {parts['velocity']:>6.1f} {parts['optim']:>6.1f} {rest:>6.1f}  "
                   f"{calls}{flag}")
     print("ms summed over the measured iterations. wall: the plain Trainer's; ratio = wall / model; "
-          "instr. = instrumented wall - wall;\nover = instrumented wall - model = maths + noise + "
+          "engine: the autograd engine's own time in backward passes through the transformer, "
+          "part of model;\ninstr. = instrumented wall - wall; over = instrumented wall - model = maths + noise + "
           "cond + adapt + optim + rest")
 
 
@@ -434,6 +478,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--iterations", type=int, default=2, help="measured iterations per plan")
     parser.add_argument("--size", type=int, default=32, help="SD3 image side (multiple of 16)")
     parser.add_argument("--steps", type=int, default=10, help="denoising steps per rollout")
+    parser.add_argument("--layers", type=int, default=2,
+                        help="SD3 transformer blocks (2: the test build)")
+    parser.add_argument("--heads", type=int, default=2,
+                        help="SD3 attention heads of 8 channels (2: the test build, width 16)")
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--prompts", type=int, default=2, help="prompts (groups) per iteration")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
@@ -461,7 +509,9 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         wanted = args.models.split(",")
-        models = [("sd3", save_tiny("sd3", workdir / "tiny_sd3"))] if "sd3" in wanted else []
+        size = None if (args.layers, args.heads) == (2, 2) else (args.layers, args.heads)
+        models = [("sd3", save_tiny("sd3", workdir / "tiny_sd3", transformer_size=size))] \
+            if "sd3" in wanted else []
         toy = repo / "assets" / "toy"
         if "toy" in wanted and (toy / "transformer").is_dir():
             models.append(("toy", str(toy)))
@@ -470,7 +520,8 @@ def main(argv: list[str] | None = None) -> None:
             for plan in plans:
                 rows.append((family, plan, measure(family, path, plan, args, workdir)))
         print(f"one iteration = {args.prompts} prompts x {args.group_size} samples, "
-              f"{args.steps} steps, {args.size} px (SD3), LoRA r4, {args.threads} thread(s); "
+              f"{args.steps} steps, {args.size} px (SD3: {args.layers} blocks, width "
+              f"{8 * args.heads}), LoRA r4, {args.threads} thread(s); "
               f"sums over {args.iterations} iteration(s) after a warm-up")
         print_table(rows, args.target)
         if args.ops:

@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import argparse
+import time
 
 import pytest
+import torch
 
 from tests.helpers import load_benchmark
 
@@ -26,9 +28,11 @@ def test_model_clock_sees_every_transformer_call_and_no_more(bench, tiny_sd3_pat
     assert clock.calls[("rollout", "forward")] == chunks * args.steps
     assert clock.calls[("update", "forward")] == trained_batches
     assert clock.calls[("update", "backward")] == trained_batches
-    # per trained batch: score_step, policy_loss and the maths' backward (timed apart from the
-    # transformer's, from an identity on the loss)
-    assert clock.calls[("update", "maths")] == 3 * trained_batches
+    # per trained batch: score_step and policy_loss, and the maths' backward (timed apart from
+    # the transformer's, from an identity on the loss); the engine's own time once per pass
+    assert clock.calls[("update", "maths")] == 2 * trained_batches
+    assert clock.calls[("update", "maths_backward")] == trained_batches
+    assert clock.calls[("update", "engine")] == trained_batches
     assert 0 < clock.total("update") < wall["update"]
     assert 0 < clock.total() < wall["total"]
     assert clock.total(None, ("maths",)) > 0
@@ -51,3 +55,42 @@ def test_op_census_counts_our_ops_apart_from_the_transformers(bench, tiny_sd3_pa
     assert 0 < counts["ours_backward"] <= 6, counts
     ours = counts["ours_forward"] + counts["ours_backward"]
     assert ours / (counts["model_forward"] + counts["model_backward"]) < 0.10
+
+
+def test_backward_passes_split_into_engine_model_and_maths(bench, tiny_sd3_path, tmp_path):
+    """Each backward() call is partitioned without gaps or overlaps: the engine's own time (start
+    and end, charged to the model, see ``_timed_tensor_backward``), our maths' nodes, then the
+    transformer's. The parts add up to the call's wall time measured outside, less only the
+    wrappers' few microseconds; the engine part alone is about 0.15 ms a call here, so leaving it
+    out (or counting the whole call twice) fails."""
+    args = argparse.Namespace(size=32, steps=4, group_size=2, prompts=2, threads=1, iterations=1)
+    clock = bench.ModelClock()
+    trainer = bench.TimedTrainer(bench.make_config("sd3", tiny_sd3_path, bench.PLANS["full"], args,
+                                                   tmp_path), clock)
+    trainer.run_iteration(0)
+    batch, rewards, _ = trainer.rollout_and_score(1)
+    advantages, _ = trainer.compute_advantages(batch, rewards)
+    walls: list[float] = []
+    with bench.timed_functions(clock, torch.device("cpu")):
+        timed = torch.Tensor.backward
+
+        def outer(tensor, *call_args, **kwargs):
+            began = time.perf_counter()
+            try:
+                return timed(tensor, *call_args, **kwargs)
+            finally:
+                walls.append(time.perf_counter() - began)
+
+        torch.Tensor.backward = outer
+        try:
+            clock.reset()
+            trainer.update(batch, advantages, 1)
+        finally:
+            torch.Tensor.backward = timed
+    passes = len(batch.replay)
+    assert len(walls) == passes
+    for kind in ("engine", "maths_backward", "backward"):
+        assert clock.calls[("update", kind)] == passes, kind
+    assert clock.seconds[("update", "engine")] > 0
+    parts = sum(clock.seconds[("update", kind)] for kind in ("engine", "maths_backward", "backward"))
+    assert sum(walls) - passes * 40e-6 <= parts <= sum(walls)
