@@ -193,7 +193,8 @@ class Trainer:
 
         def score(rows: Tensor, media: Tensor) -> dict[str, Tensor]:
             began = time.perf_counter()
-            out = self.reward(media, [prompts[i] for i in rows], [metadata[i] for i in rows])
+            picked = rows.tolist()    # iterating the tensor would make a 0-d tensor per row
+            out = self.reward(media, [prompts[i] for i in picked], [metadata[i] for i in picked])
             reward_seconds.append(time.perf_counter() - began)
             return out
 
@@ -214,8 +215,9 @@ class Trainer:
         rewards: dict[str, Tensor] = {}
         for rows, future in futures:
             for name, values in future.result().items():
-                rewards.setdefault(name, torch.full((len(prompts),), float("nan")))[rows] = \
-                    values.float().cpu()
+                if name not in rewards:
+                    rewards[name] = torch.full((len(prompts),), float("nan"))
+                rewards[name][rows] = values.float().cpu()
         if executor is not None:
             executor.shutdown()
         timing = {"time/rollout": rollout_seconds, "time/reward_wait": time.perf_counter() - began,
@@ -265,6 +267,9 @@ class Trainer:
         # Per replay batch only detached tensors are kept; the statistics are computed once over
         # all of them at the end (``update_metrics``), so they describe the whole update.
         rows: dict[str, list[Tensor]] = {}
+        # d objective / d loss of a replay batch = 1 / per_step (gradient accumulation), handed
+        # to backward() as its seed: a (loss / per_step) would add an op and an autograd node.
+        seed: Tensor | None = None
         first_pass_dev: list[Tensor] = []
         grad_norms: list[float] = []
         for epoch in range(t.num_inner_epochs):
@@ -276,7 +281,9 @@ class Trainer:
                     with acc.autocast():
                         loss, record = self.replay_loss(batch, replays[index], advantages,
                                                         settings, clip_high, step_weights[index])
-                    (loss / per_step).backward()
+                    if seed is None or seed.dtype != loss.dtype or seed.device != loss.device:
+                        seed = torch.full((), 1.0 / per_step, dtype=loss.dtype, device=loss.device)
+                    loss.backward(seed)
                     for key, value in record.items():   # detached by contract; a detach is an op
                         rows.setdefault(key, []).append(
                             value.detach() if value.requires_grad else value)

@@ -90,8 +90,9 @@ def weighted_total(scores: dict[str, Tensor], weights: dict[str, float]) -> Tens
     """sum_k w_k * scores[k] over keys with w_k != 0; each (B,) -> (B,). NaN propagates from any
     weighted score; zero-weight scores are skipped so that their NaN does not."""
     keys = [k for k, w in weights.items() if w != 0.0]
-    reference = next(iter(scores.values()))
-    total = torch.zeros_like(reference, dtype=torch.float32)
-    for key in keys:
+    if not keys:
+        return torch.zeros_like(next(iter(scores.values())), dtype=torch.float32)
+    total = weights[keys[0]] * scores[keys[0]].float()
+    for key in keys[1:]:
         total = total + weights[key] * scores[key].float()
     return total
