@@ -130,8 +130,10 @@ def _image_vae(latent_channels: int, scaling_factor: float, shift_factor: float)
     )
 
 
-def build_tiny_sd3():
-    """StableDiffusion3Pipeline with tiny random components (SD3.5-Medium layout)."""
+def build_tiny_sd3(num_layers: int = 2, num_attention_heads: int = 2):
+    """StableDiffusion3Pipeline with tiny random components (SD3.5-Medium layout). The defaults
+    are the test build (hidden width 16); larger values give the benchmarks a transformer whose
+    per-call work is not dominated by op dispatch (heads of 8 channels each)."""
     from diffusers import FlowMatchEulerDiscreteScheduler, SD3Transformer2DModel, StableDiffusion3Pipeline
     from transformers import CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
@@ -142,11 +144,11 @@ def build_tiny_sd3():
         sample_size=TINY_HEIGHT // 8,
         patch_size=2,
         in_channels=16,
-        num_layers=2,
+        num_layers=num_layers,
         attention_head_dim=8,
-        num_attention_heads=2,
+        num_attention_heads=num_attention_heads,
         joint_attention_dim=t5_width,
-        caption_projection_dim=16,  # = num_attention_heads * attention_head_dim
+        caption_projection_dim=8 * num_attention_heads,  # = num_attention_heads * attention_head_dim
         pooled_projection_dim=clip_l_width + clip_g_width,
         out_channels=16,
         pos_embed_max_size=16,
@@ -250,21 +252,27 @@ def build_tiny_wan():
 _BUILDERS = {"sd3": build_tiny_sd3, "flux": build_tiny_flux, "wan": build_tiny_wan}
 
 
-def build_tiny(family: str, seed: int = 0):
+def build_tiny(family: str, seed: int = 0, transformer_size: tuple[int, int] | None = None):
     """The tiny stock diffusers pipeline of ``family`` with weights drawn from ``seed``.
-    The global RNG state is left as it was."""
+    ``transformer_size`` = (num_layers, num_attention_heads) of the transformer, sd3 only (None:
+    the test build's (2, 2)). The global RNG state is left as it was."""
     if family not in _BUILDERS:
         raise ValueError(f"family must be one of {sorted(_BUILDERS)} (got {family!r})")
+    if transformer_size is not None and family != "sd3":
+        raise ValueError(f"transformer_size is only supported for the sd3 tiny build (got family "
+                         f"{family!r}); leave it None")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        pipeline = _BUILDERS[family]()
+        pipeline = _BUILDERS[family](*(transformer_size or ()))
     return pipeline
 
 
-def save_tiny(family: str, directory: str | os.PathLike, seed: int = 0) -> str:
+def save_tiny(family: str, directory: str | os.PathLike, seed: int = 0,
+              transformer_size: tuple[int, int] | None = None) -> str:
     """Write a tiny random ``family`` pipeline folder (model_index.json, one subfolder per component:
-    weights, configs, scheduler and tokenizers) to ``directory`` and return its path."""
-    pipeline = build_tiny(family, seed=seed)
+    weights, configs, scheduler and tokenizers) to ``directory`` and return its path.
+    ``transformer_size``: see ``build_tiny``."""
+    pipeline = build_tiny(family, seed=seed, transformer_size=transformer_size)
     directory = os.fspath(directory)
     os.makedirs(directory, exist_ok=True)
     pipeline.save_pretrained(directory)

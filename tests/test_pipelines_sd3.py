@@ -277,3 +277,24 @@ def test_hub_ids_are_left_to_from_pretrained_and_paths_are_checked():
     assert not is_local_path("Wan-AI/Wan2.1-T2V-1.3B-Diffusers")
     for path in ("./models/sd3", "/abs/sd3", "models/sd3/v2", "~/sd3", "sd3"):
         assert is_local_path(path), path
+
+
+def test_a_larger_tiny_transformer_loads_and_runs(tmp_path):
+    """The benchmarks' larger tiny SD3 (``transformer_size``): the blocks and width asked for,
+    loaded back through ``load_model`` and giving velocities of the latents' shape; the default
+    build is unchanged by the option, and other families refuse it."""
+    from pipelines.tiny import build_tiny, save_tiny
+
+    model = load_model("sd3", save_tiny("sd3", tmp_path / "big", transformer_size=(3, 4)),
+                       options=IMAGE_OPTIONS)
+    config = model.transformer.config
+    assert (config.num_layers, config.num_attention_heads, config.caption_projection_dim) == (3, 4, 32)
+    noise = model.initial_noise(2, torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        velocity = model.velocity(noise, torch.full((2,), 0.5), model.encode_prompts(PROMPTS), 1.0)
+    assert velocity.shape == noise.shape and torch.isfinite(velocity).all()
+    default, explicit = build_tiny("sd3"), build_tiny("sd3", transformer_size=(2, 2))
+    assert all(torch.equal(a, b) for a, b in zip(default.transformer.parameters(),
+                                                 explicit.transformer.parameters()))
+    with pytest.raises(ValueError, match="transformer_size is only supported"):
+        build_tiny("flux", transformer_size=(2, 2))
