@@ -26,7 +26,9 @@ the same run, without editing the trainer:
 
 The instrumented run pays for its own hooks and wrappers. So an uninstrumented ``Trainer`` with
 the same config runs the same iterations, alternating with the instrumented one, and its wall
-time is the numerator of the ratio ("wall"); "instr." is the instrumented wall minus it.
+time is the numerator of the ratio ("wall"); "instr." is the instrumented wall minus it. The
+printed ratio is the median over the measured iterations of (plain wall / model time) of that
+iteration, so that a machine hiccup in one of the two trainers' runs does not move it.
 
 Phases (rewards scored synchronously, ``rewards.threaded=false``, so phases do not overlap):
 rollout = trainer's ``time/rollout`` minus the reward scoring inside it; reward = scoring time;
@@ -49,6 +51,7 @@ import argparse
 import cProfile
 import os
 import pstats
+import statistics
 import sys
 import tempfile
 import time
@@ -413,11 +416,14 @@ def measure(family: str, path: str, plan_name: str, args: argparse.Namespace, wo
     device = torch.device(timed.model.device)
     wall: dict[str, float] = defaultdict(float)
     plain_wall: dict[str, float] = defaultdict(float)
+    ratios: dict[str, list[float]] = defaultdict(list)     # per iteration: plain wall / model
     with timed_functions(clock, device):
         timed.run_iteration(0)                                # warm-up: encodes prompts, allocs
     plain.run_iteration(0)
     clock.reset()
     for iteration in range(1, 1 + args.iterations):
+        model_before = {phase: clock.total(_phase_key(phase)) for phase in PHASES + ("total",)}
+        plain_before = dict(plain_wall)
         # Alternate which trainer goes first, so a drift in machine speed hits both alike.
         for which in ("timed", "plain") if iteration % 2 else ("plain", "timed"):
             if which == "timed":
@@ -429,8 +435,16 @@ def measure(family: str, path: str, plan_name: str, args: argparse.Namespace, wo
                 began = time.perf_counter()
                 plain_metrics = plain.run_iteration(iteration)
                 _add_walls(plain_wall, plain_metrics, time.perf_counter() - began)
+        for phase, before in model_before.items():
+            model = clock.total(_phase_key(phase)) - before
+            if model > 0:
+                ratios[phase].append((plain_wall[phase] - plain_before.get(phase, 0.0)) / model)
     return {"wall": dict(wall), "plain_wall": dict(plain_wall), "clock": clock,
-            "nfe": metrics["nfe"], "trained": metrics["trained_transitions"]}
+            "ratios": dict(ratios), "nfe": metrics["nfe"], "trained": metrics["trained_transitions"]}
+
+
+def _phase_key(phase: str) -> str | None:
+    return None if phase == "total" else phase
 
 
 def print_table(rows: list[tuple[str, str, dict]], target: float) -> None:
@@ -455,7 +469,10 @@ def print_table(rows: list[tuple[str, str, dict]], target: float) -> None:
             parts["cond"] -= clock.total(which, ("encode",)) * 1e3   # encoders are model time
             parts["velocity"] -= clock.total(which, ("forward",)) * 1e3
             rest = timed_wall - model - sum(parts.values())
-            ratio = wall / model if model > 0 else float("inf")
+            # The median of the iterations' ratios: one iteration that a machine hiccup hits in
+            # only one of the two trainers does not move it (the summed columns keep it).
+            per_iteration = result["ratios"].get(phase, [])
+            ratio = statistics.median(per_iteration) if per_iteration else float("inf")
             calls = {"rollout": f"fwd {clock.calls[('rollout', 'forward')]}",
                      "reward": f"reward {clock.calls[('reward', 'reward')]}",
                      "update": f"fwd {clock.calls[('update', 'forward')]} "
@@ -467,7 +484,8 @@ def print_table(rows: list[tuple[str, str, dict]], target: float) -> None:
                   f"{timed_wall - wall:>6.1f} {timed_wall - model:>6.1f} | {parts['maths']:>6.1f} {parts['noise']:>6.1f} "
                   f"{parts['cond']:>6.1f} {parts['velocity']:>6.1f} {parts['optim']:>6.1f} {rest:>6.1f}  "
                   f"{calls}{flag}")
-    print("ms summed over the measured iterations. wall: the plain Trainer's; ratio = wall / model; "
+    print("ms summed over the measured iterations. wall: the plain Trainer's; ratio = the median over "
+          "iterations of wall / model; "
           "engine: the autograd engine's own time in backward passes through the transformer, "
           "part of model;\ninstr. = instrumented wall - wall; over = instrumented wall - model = maths + noise + "
           "cond + adapt + optim + rest")

@@ -209,13 +209,11 @@ class ManagedReward:
     # ---- internals ----
     def _score(self, media, prompts, metadata, with_components):
         metadata = check_media(media, prompts, metadata, self.name)
-        batch = media.shape[0]
+        # Both paths return (batch,) float32 CPU vectors: _chunked checks every chunk's output
+        # with as_score_vector, and _score_frames aggregates those per video.
         if media.ndim == 5 and not self.video_native:
-            main, parts = self._score_frames(media, list(prompts), metadata, with_components)
-        else:
-            main, parts = self._chunked(media, list(prompts), metadata, with_components)
-        return as_score_vector(main, batch, self.name), {
-            k: as_score_vector(v, batch, f"{self.name}.{k}") for k, v in parts.items()}
+            return self._score_frames(media, list(prompts), metadata, with_components)
+        return self._chunked(media, list(prompts), metadata, with_components)
 
     def _chunked(self, media, prompts, metadata, with_components):
         batch = media.shape[0]

@@ -37,6 +37,13 @@ def test_model_clock_sees_every_transformer_call_and_no_more(bench, tiny_sd3_pat
     assert 0 < clock.total() < wall["total"]
     assert clock.total(None, ("maths",)) > 0
     assert set(result["plain_wall"]) == set(wall)
+    # one ratio per phase and measured iteration: the plain trainer's wall over the model time
+    assert {phase: len(values) for phase, values in result["ratios"].items()} == \
+        {"rollout": 1, "reward": 1, "update": 1, "total": 1}
+    for phase in ("update", "total"):
+        which = None if phase == "total" else phase
+        assert result["ratios"][phase][0] == pytest.approx(
+            result["plain_wall"][phase] / clock.total(which), rel=1e-9)
 
 
 def test_op_census_counts_our_ops_apart_from_the_transformers(bench, tiny_sd3_path, tmp_path):
