@@ -226,3 +226,46 @@ def test_mean_reward_rises_over_20_iterations(tiny_sd3_path, tmp_path):
     sem = max(h["reward/total/std"] for h in history) / (32 ** 0.5)
     gain = means[-5:].mean() - means[:5].mean()
     assert gain > 3 * sem, (means.tolist(), sem)
+
+
+@pytest.mark.parametrize("accumulation", [0, 2])
+def test_each_optimiser_step_sees_the_mean_gradient_of_its_replay_batches(tiny_sd3_path, tmp_path,
+                                                                          monkeypatch, accumulation):
+    """Gradient accumulation: the gradient handed to an optimiser step is the mean of the loss
+    gradients of the replay batches in its window (1 / window is backward()'s seed), for one
+    window of all replay batches (0) and for windows of 2."""
+    from flowgrpo.rollout import seeded_generator
+
+    trainer = Trainer(tiny_config(tiny_sd3_path, tmp_path, "training.skip_zero_std_groups=false",
+                                  f"training.gradient_accumulation_steps={accumulation}"))
+    batch, rewards, _ = trainer.rollout_and_score(0)
+    advantages, _ = trainer.compute_advantages(batch, rewards)
+    names = list(trainer.trainable)
+    stepped: list[dict[str, torch.Tensor]] = []
+
+    def capture() -> float:          # no optimiser step: every window sees the same weights
+        stepped.append({n: trainer.trainable[n].grad.clone() for n in names})
+        trainer.optimizer.zero_grad(set_to_none=True)
+        return 0.0
+
+    monkeypatch.setattr(trainer, "optimizer_step", capture)
+    trainer.update(batch, advantages, 0)
+
+    t = trainer.config.training
+    replays = batch.replay
+    weights = trainer.step_weights(replays)
+    params = [trainer.trainable[n] for n in names]
+    per_replay = []
+    for replay, weight in zip(replays, weights):
+        loss, _ = trainer.replay_loss(batch, replay, advantages, trainer.settings(0), t.clip_low, weight)
+        per_replay.append(torch.autograd.grad(loss, params))
+    window = accumulation or len(replays)
+    order = torch.randperm(len(replays), generator=seeded_generator(
+        trainer.config.run.seed, 0, "epoch", 0)).tolist()
+    assert len(stepped) == -(-len(replays) // window) > (1 if accumulation else 0)
+    for step, grads in enumerate(stepped):
+        members = order[step * window:(step + 1) * window]
+        for i, name in enumerate(names):
+            expected = sum(per_replay[m][i] for m in members) / window
+            assert torch.allclose(grads[name], expected, rtol=1e-5, atol=1e-9), name
+    assert max(float(g.abs().max()) for grads in stepped for g in grads.values()) > 0
