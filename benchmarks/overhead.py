@@ -1,7 +1,7 @@
 """Trainer overhead: wall time of a training iteration / the model's own compute it needed.
 
     python benchmarks/overhead.py [--iterations 2] [--size 32] [--steps 10] [--layers 2 --heads 2]
-                                  [--ops] [--profile PLAN]
+                                  [--ops] [--check-model-time] [--profile PLAN]
 
 For each plan (full, window, window + DPM-Solver++ compression, branch, one_step) the real
 ``Trainer`` runs one warm-up iteration and then ``--iterations`` measured ones on the tiny SD3
@@ -447,6 +447,53 @@ def _phase_key(phase: str) -> str | None:
     return None if phase == "total" else phase
 
 
+def model_time_check(family: str, path: str, args: argparse.Namespace, workdir: Path,
+                     iterations: int = 8) -> list[float]:
+    """The clocks' update-phase model time per replay batch (forward + backward + engine) over
+    a transformer forward + backward alone on the same inputs, per iteration: the trainer runs
+    an instrumented iteration (full plan), then the bare transformer runs as many forward +
+    backward calls on the inputs of the iteration's first call, and so on. About 1 when the
+    hooks neither miss nor add model time; our code running between the calls (cold caches)
+    would show as > 1."""
+    clock = ModelClock()
+    trainer = TimedTrainer(make_config(family, path, PLANS["full"], args, workdir), clock)
+    device = torch.device(trainer.model.device)
+    transformer = trainer.model.transformer
+    with timed_functions(clock, device):
+        trainer.run_iteration(0)
+    captured: dict = {}
+
+    def grab(module, call_args, kwargs):
+        if torch.is_grad_enabled() and not captured:
+            captured.update({k: v.detach() if torch.is_tensor(v) else v for k, v in kwargs.items()})
+
+    hook = transformer.register_forward_pre_hook(grab, with_kwargs=True)
+    ratios = []
+    try:
+        for iteration in range(1, 1 + iterations):
+            clock.reset()
+            with timed_functions(clock, device):
+                trainer.run_iteration(iteration)
+            hook.remove()
+            calls = clock.calls[("update", "forward")]
+            # read before the bare calls: the transformer's hooks would clock those too
+            model = clock.total("update", ("forward", "backward", "engine"))
+            alone = 0.0
+            for _ in range(calls):
+                _sync(device)
+                began = time.perf_counter()
+                out = transformer(**captured)[0]
+                out.backward(torch.ones_like(out))
+                _sync(device)
+                alone += time.perf_counter() - began
+                del out
+                transformer.zero_grad(set_to_none=True)
+            ratios.append(model / alone)
+    finally:
+        hook.remove()
+    return ratios
+
+
 def print_table(rows: list[tuple[str, str, dict]], target: float) -> None:
     """One line per (model, plan, phase): the plain trainer's wall and the model's ms, their ratio,
     the instrumentation's cost, and the instrumented run's overhead split into maths / noise /
@@ -509,6 +556,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ops", action="store_true",
                         help="also count the aten ops of one update per replay batch, ours vs "
                              "the transformer's (op_census), for every model and plan")
+    parser.add_argument("--check-model-time", action="store_true",
+                        help="also compare the clocks' model time with the bare transformer's "
+                             "forward + backward on the same inputs (model_time_check)")
     parser.add_argument("--profile", default=None, metavar="PLAN",
                         help="also cProfile one iteration of PLAN (first model, plain Trainer) and print "
                              "the top entries")
@@ -554,6 +604,13 @@ def main(argv: list[str] | None = None) -> None:
                           f"{c['model_forward']:6.1f}   backward {c['ours_backward']:5.1f} / "
                           f"{c['model_backward']:6.1f}   ours / model "
                           f"{(c['ours_forward'] + c['ours_backward']) / (c['model_forward'] + c['model_backward']):.3f}")
+        if args.check_model_time:
+            print("\nupdate-phase model time per replay batch in the trainer / the bare "
+                  "transformer's forward + backward, full plan, per iteration:")
+            for family, path in models:
+                ratios = model_time_check(family, path, args, workdir)
+                print(f"{family:<5} median {statistics.median(ratios):.3f}  "
+                      f"({', '.join(f'{r:.3f}' for r in ratios)})")
         if args.profile:
             family, path = models[0]
             trainer = Trainer(make_config(family, path, PLANS[args.profile], args, workdir))
