@@ -229,9 +229,8 @@ class ManagedReward:
             mains.append(as_score_vector(main, stop - start, self.name))
             parts_list.append({k: as_score_vector(v, stop - start, f"{self.name}.{k}")
                                for k, v in parts.items()})
-        if len(mains) == 1:      # one chunk: a cat would only copy
-            return mains[0], parts_list[0]
         keys = parts_list[0].keys()
+        # cat copies even a single chunk: the scores never alias a buffer the reward may reuse
         return torch.cat(mains), {k: torch.cat([p[k] for p in parts_list]) for k in keys}
 
     def _score_frames(self, videos, prompts, metadata, with_components):

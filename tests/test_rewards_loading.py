@@ -104,6 +104,31 @@ def test_user_class_by_dotted_path_with_options():
         load_reward(f"{__name__}:Missing")
 
 
+class BufferedBrightness:
+    """Returns its scores in one numpy buffer that it overwrites on every call."""
+
+    name = "buffered"
+
+    def __init__(self):
+        import numpy as np
+
+        self.buffer = np.zeros(2, dtype=np.float32)
+
+    def __call__(self, media, prompts, metadata):
+        self.buffer[:] = media.mean(dim=(1, 2, 3)).numpy()
+        return self.buffer
+
+
+def test_scores_do_not_alias_a_buffer_the_reward_reuses():
+    """torch.as_tensor shares a numpy array's memory; the scores handed on are copies, so a
+    reward that reuses its output buffer (the next call, or a threaded scorer) cannot change
+    scores already returned."""
+    reward = load_reward(f"{__name__}:BufferedBrightness")
+    first = reward(flat_images([0.25, 0.5]), ["a", "b"])
+    reward(flat_images([1.0, 1.0]), ["a", "b"])
+    assert torch.allclose(first, torch.tensor([0.25, 0.5]))
+
+
 class HalfBrightness(Brightness):
     def __init__(self):
         super().__init__(gain=0.5)
