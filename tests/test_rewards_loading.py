@@ -338,3 +338,31 @@ def test_adapters_pass_each_image_with_its_prompt(monkeypatch):
     monkeypatch.setitem(sys.modules, "ImageReward", package)
     assert torch.equal(load_reward("imagereward")(torch.rand(2, 3, 4, 4), ["a", "abc"]),
                        torch.tensor([2.0, 4.0]))
+
+
+class WrongShape:
+    """Scores of the wrong length for its main score or for one component."""
+
+    name = "wrong"
+
+    def __init__(self, where: str = "main"):
+        self.where = where
+
+    def __call__(self, media, prompts, metadata):
+        return torch.zeros(len(prompts) + (1 if self.where == "main" else 0))
+
+    def components(self, media, prompts, metadata):
+        good = torch.zeros(len(prompts), 1)          # (B, 1) is accepted as (B,)
+        return {"good": good, "bad": torch.zeros(len(prompts) + (self.where == "part"))}
+
+
+def test_a_reward_output_of_the_wrong_length_is_an_error_naming_it():
+    """Every chunk's main score and components are checked: (B, 1) is taken as (B,), any other
+    length raises naming the reward (and the component)."""
+    images, prompts = flat_images([0.25, 0.5]), ["a", "b"]
+    with pytest.raises(ValueError, match=r"reward 'wrong' returned shape \(3,\); expected \(2,\)"):
+        load_reward(f"{__name__}:WrongShape")(images, prompts)
+    with pytest.raises(ValueError, match=r"reward 'wrong.bad' returned shape \(3,\)"):
+        load_reward({"name": f"{__name__}:WrongShape", "where": "part"}).components(images, prompts)
+    parts = load_reward({"name": f"{__name__}:WrongShape", "where": "none"}).components(images, prompts)
+    assert parts["good"].shape == (2,) and parts["bad"].shape == (2,)
