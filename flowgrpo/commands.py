@@ -61,8 +61,11 @@ def parse_model(text: str) -> tuple[str, str]:
     return family, path
 
 
-def parse_seeds(text: str) -> list[int]:
-    """``"0,1,2"``, ``"0-3"`` (inclusive) or a mix (``"0-3,7"``) -> list of ints, in order."""
+def parse_seeds(text: str | list[str]) -> list[int]:
+    """``"0,1,2"``, ``"0-3"`` (inclusive) or a mix (``"0-3,7"``) -> list of ints, in order. A
+    list (``--seeds 0 1 4-5`` on the command line) is read as its items joined by commas."""
+    if not isinstance(text, str):
+        text = ",".join(text)
     seeds: list[int] = []
     for part in text.split(","):
         part = part.strip()
@@ -832,7 +835,8 @@ def add_commands(subparsers) -> None:
                         help="trainer checkpoint to apply (LoRA or full fine-tune) or a run folder")
     sample.add_argument("--prompts", required=True,
                         help="prompt file (.txt / .jsonl), toy:<split>, or the prompt itself")
-    sample.add_argument("--seeds", default="0", help="e.g. 0,1,2 or 0-3 (default 0)")
+    sample.add_argument("--seeds", nargs="+", default=["0"],
+                        help="e.g. 0 1 2, 0,1,2 or 0-3 (default 0)")
     sample.add_argument("--fps", type=float, default=8.0, help="frames per second of videos")
     sample.add_argument("--out", required=True, help="output folder")
     sample.set_defaults(handler=run_sample)
@@ -851,8 +855,9 @@ def add_commands(subparsers) -> None:
                           help="prompt file (.txt / .jsonl), toy:<split>, or the prompt itself")
     evaluate.add_argument("--lora", default=None, metavar="CKPT",
                           help="trainer checkpoint to evaluate (default: the base model)")
-    evaluate.add_argument("--seeds", default=None,
-                          help="seeds per prompt (default: the config's eval noise, else 0)")
+    evaluate.add_argument("--seeds", nargs="+", default=None,
+                          help="seeds per prompt, e.g. 0 1 or 0-3 (default: the config's eval "
+                               "noise, else 0)")
     evaluate.add_argument("--out", default="eval.json", help="JSON results file (default eval.json)")
     evaluate.set_defaults(handler=run_eval)
 
@@ -867,7 +872,7 @@ def add_commands(subparsers) -> None:
                       help="columns: 'base' and/or checkpoint or run folders")
     grid.add_argument("--prompts", required=True,
                       help="prompt file (.txt / .jsonl), toy:<split>, or the prompt itself")
-    grid.add_argument("--seeds", default="0", help="e.g. 0,1 or 0-3 (default 0)")
+    grid.add_argument("--seeds", nargs="+", default=["0"], help="e.g. 0 1, 0,1 or 0-3 (default 0)")
     grid.add_argument("--rewards", default=None, help="label each cell with these rewards")
     grid.add_argument("--max-rows", type=int, default=8, help="rows per page (default 8)")
     grid.add_argument("--min-cell-size", type=int, default=128,

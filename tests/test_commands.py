@@ -437,6 +437,14 @@ def test_argument_parsers():
 
     assert parse_seeds("0-3,7") == [0, 1, 2, 3, 7]
     assert parse_seeds("5") == [5]
+    from flowgrpo.cli import build_parser
+
+    for command in ("sample", "grid", "eval"):   # --seeds 0 1 4-5 and --seeds 0,1,4-5 alike
+        extra = ["--checkpoints", "base"] if command == "grid" else []
+        for given in (["0", "1", "4-5"], ["0,1,4-5"]):
+            args = build_parser().parse_args([command, "--model", "toy:x", "--prompts", "p",
+                                              "--out", "o", *extra, "--seeds", *given])
+            assert parse_seeds(args.seeds) == [0, 1, 4, 5], (command, given)
     with pytest.raises(ValueError, match="twice"):
         parse_seeds("1,0-2")
     with pytest.raises(ValueError, match="--seeds must be"):
