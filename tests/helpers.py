@@ -9,6 +9,16 @@ from types import ModuleType
 from torch import Tensor
 
 
+def free_port() -> int:
+    """A TCP port free on localhost now, for a launched process group's rendezvous: a fixed port
+    collides with another job (or a previous run's socket) on the same machine."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def load_benchmark(name: str) -> ModuleType:
     """benchmarks/<name>.py as a module (benchmarks/ is scripts, not a package)."""
     path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"

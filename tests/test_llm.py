@@ -17,6 +17,7 @@ from flowgrpo.prompts import sample_groups
 from flowgrpo.rollout import seeded_generator
 from reward_models.text import (ExactMatchReward, LengthReward, RegexFormatReward,
                                 extract_answer, normalize_answer)
+from tests.helpers import free_port
 
 ALPHABET = "0123456789+-*= "
 ASSET = Path(__file__).resolve().parents[1] / "assets" / "lm"
@@ -484,7 +485,7 @@ def test_two_processes_sample_and_score_like_one(tiny_lm_path, prompts_path, tmp
         out = tmp_path / f"out{processes}.json"
         cmd = [sys.executable, "-m", "accelerate.commands.launch",
                "--multi_gpu" if processes > 1 else "--cpu", "--num_processes", str(processes),
-               "--num_machines", "1", "--main_process_port", str(29611 + processes),
+               "--num_machines", "1", "--main_process_port", str(free_port()),
                "--mixed_precision", "no", "--dynamo_backend", "no", str(tmp_path / "worker.py"),
                str(tmp_path / "mp.yaml"), str(out)]
         done = subprocess.run(cmd, env=env, cwd=root, capture_output=True, text=True, timeout=300)

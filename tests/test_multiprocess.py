@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.helpers import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -32,7 +34,7 @@ def launch(num_processes: int, config: Path, out: Path) -> dict:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "ACCELERATE_USE_CPU": "true"}
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu" if num_processes > 1 else "--cpu",
            "--num_processes", str(num_processes), "--num_machines", "1",
-           "--main_process_port", str(29500 + num_processes * 7), "--mixed_precision", "no",
+           "--main_process_port", str(free_port()), "--mixed_precision", "no",
            "--dynamo_backend", "no", str(ROOT / "tests" / "mp_advantages.py"), str(config), str(out)]
     result = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
