@@ -37,7 +37,9 @@ def launch(num_processes: int, config: Path, out: Path) -> dict:
            "--main_process_port", str(free_port()), "--mixed_precision", "no",
            "--dynamo_backend", "no", str(ROOT / "tests" / "mp_advantages.py"), str(config), str(out)]
     result = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
+    # progress bars fill stderr; keep the rest, so that a failure shows its cause
+    errors = "\n".join(line for line in result.stderr.splitlines() if "it/s]" not in line)
+    assert result.returncode == 0, errors[-6000:]
     return json.loads(out.read_text())
 
 
