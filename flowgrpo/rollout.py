@@ -41,7 +41,8 @@ class ReplayBatch:
     Shapes: rows (b,) indices into the RolloutBatch; latents/next_latents/mean_old (b, ...) float32;
     sigmas/sigmas_next/logp_old/std (b,) float32. ``step`` is the index into ``plan.sigmas``.
     ``gaussian`` is the step's policy (``sde.StepGaussian``): a replay re-scores x' with it
-    without redoing the schedule arithmetic.
+    without redoing the schedule arithmetic (``std`` is the same tensor as ``gaussian.std``,
+    kept as a field for Guard, KL and rectification).
     """
 
     rows: Tensor

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.util
+import socket
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -12,8 +13,6 @@ from torch import Tensor
 def free_port() -> int:
     """A TCP port free on localhost now, for a launched process group's rendezvous: a fixed port
     collides with another job (or a previous run's socket) on the same machine."""
-    import socket
-
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
