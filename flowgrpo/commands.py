@@ -2,8 +2,9 @@
 
 * ``sample``: deterministic (Euler ODE) samples per prompt and seed, as PNG (images) or MP4 + GIF
   (videos), optionally with a trainer checkpoint applied (``--lora CKPT``).
-* ``eval``: reward statistics per component and per prompt family (``metadata["family"]``),
-  written as JSON and printed as a table; from a training CONFIG or from flags.
+* ``eval``: reward statistics (mean, std, standard error) per component and per prompt family
+  (``metadata["family"]``), written as JSON and printed as a table; from a training CONFIG or
+  from flags. ``--samples-per-prompt K`` adds pass@k diagnostics (``flowgrpo.passk``).
 * ``grid``: rows = prompts x seeds, columns = the base model and each checkpoint, the same noise
   along a row, every cell labelled with its reward; paged into several files when large.
 
@@ -546,16 +547,21 @@ def run_sample(args: argparse.Namespace) -> int:
 
 # ================================================================================ flowgrpo eval
 def reward_statistics(scores: dict[str, Tensor], families: list[str | None]) -> dict:
-    """Per reward key: mean/std/min/max/count/nan_count over the samples; per family (samples
-    whose metadata has a "family"): mean/std/count. scores: key -> (N,); families: N entries."""
+    """Per reward key: mean/std/se/min/max/count/nan_count over the samples; the same per family
+    (samples whose metadata has a "family"); the family mean (GenEval's overall score) and its
+    standard error ``family_mean_se`` = sqrt(sum_f se_f^2) / F. se = std / sqrt(count) (population
+    std, ``flowgrpo.passk.mean_and_se``). scores: key -> (N,); families: N entries."""
     import torch
+
+    from flowgrpo.passk import family_mean_se, mean_and_se
 
     def stats(values: Tensor) -> dict:
         valid = values[~values.isnan()].double()
         if len(valid) == 0:
-            return {"mean": None, "std": None, "min": None, "max": None, "count": 0,
+            return {"mean": None, "std": None, "se": None, "min": None, "max": None, "count": 0,
                     "nan_count": int(values.numel())}
         return {"mean": float(valid.mean()), "std": float(valid.std(unbiased=False)),
+                "se": mean_and_se(valid)[1],
                 "min": float(valid.min()), "max": float(valid.max()), "count": int(len(valid)),
                 "nan_count": int(values.numel() - len(valid))}
 
@@ -569,18 +575,23 @@ def reward_statistics(scores: dict[str, Tensor], families: list[str | None]) -> 
             key: (None if any(f[key]["mean"] is None for f in out["families"].values()) else
                   sum(f[key]["mean"] for f in out["families"].values()) / len(out["families"]))
             for key in scores}
+        out["family_mean_se"] = {
+            key: (None if any(f[key]["se"] is None for f in out["families"].values()) else
+                  family_mean_se([f[key]["se"] for f in out["families"].values()]))
+            for key in scores}
     return out
 
 
 def format_table(statistics: dict) -> str:
-    """Rows = reward keys, columns = all samples and each family: 'mean +- std (n)'."""
+    """Rows = reward keys, columns = all samples and each family: 'mean +- std (n, se)', se the
+    standard error of the mean."""
     columns = [("all", statistics["rewards"])] + list(statistics["families"].items())
     keys = list(statistics["rewards"])
 
     def cell(entry: dict) -> str:
         if entry["mean"] is None:
             return "n/a"
-        return f"{entry['mean']:.4f} +- {entry['std']:.4f} ({entry['count']})"
+        return f"{entry['mean']:.4f} +- {entry['std']:.4f} ({entry['count']}, se {entry['se']:.4f})"
 
     table = [["reward"] + [name for name, _ in columns]]
     table += [[key] + [cell(stats[key]) for _, stats in columns] for key in keys]
@@ -589,9 +600,10 @@ def format_table(statistics: dict) -> str:
              for row in table]
     lines.insert(1, "  ".join("-" * width for width in widths))
     if statistics.get("family_mean"):
+        ses = statistics.get("family_mean_se", {})
         lines.append("family mean (GenEval overall): " + ", ".join(
-            f"{key} {value:.4f}" for key, value in statistics["family_mean"].items()
-            if value is not None))
+            f"{key} {value:.4f}" + (f" (se {ses[key]:.4f})" if ses.get(key) is not None else "")
+            for key, value in statistics["family_mean"].items() if value is not None))
     return "\n".join(lines)
 
 
@@ -640,7 +652,27 @@ def run_eval(args: argparse.Namespace) -> int:
     if guidance is None and s is not None:
         guidance = s.guidance_scale if s.eval_guidance_scale is None else s.eval_guidance_scale
     batch_size = args.batch_size or (max(s.rollout_batch_size, 16) if s else 8)
-    seeds = parse_seeds(args.seeds or "0") if args.seeds is not None or config is None else None
+    per_prompt = args.samples_per_prompt
+    _check_positive(per_prompt, "--samples-per-prompt")
+    if args.seeds is not None:
+        seeds = parse_seeds(args.seeds)
+        if per_prompt is not None and len(seeds) != per_prompt:
+            raise ValueError(f"--seeds gives {len(seeds)} seeds but --samples-per-prompt is "
+                             f"{per_prompt}: give {per_prompt} seeds, or leave --seeds out (then "
+                             f"the samples use seeds 0-{per_prompt - 1}, or the config's eval "
+                             f"noise)")
+    elif config is None:
+        seeds = list(range(per_prompt)) if per_prompt is not None else [0]
+    else:
+        seeds = None
+    threshold = args.success_threshold
+    if not math.isfinite(threshold):
+        raise ValueError(f"--success-threshold must be a finite number (got {threshold})")
+    passk_keys = [k.strip() for k in args.passk_keys.split(",") if k.strip()] \
+        if args.passk_keys else None
+    if passk_keys is not None and per_prompt is None:
+        raise ValueError("--passk-keys needs --samples-per-prompt K (pass@k needs K samples of "
+                         "each prompt)")
     _check_positive(steps, "--steps")
     _check_positive(batch_size, "--batch-size")
     check_model_path(family, path)
@@ -657,9 +689,19 @@ def run_eval(args: argparse.Namespace) -> int:
     model = load_flow_model(family, path, dtype, device, options)
     check_checkpoint(checkpoint, family, path, base_shapes=model_shapes(model))
     steps, guidance = default_sampling(model, family, steps, guidance)
+    if config is not None and per_prompt is not None:
+        # pass@k: the distinct prompts of the config's evaluation, each K times.
+        from flowgrpo.prompts import eval_prompts
+
+        records = eval_prompts(records, config.prompts.eval_per_family)
     if seeds is not None:
         rows = [(record, seed) for record in records for seed in seeds]
         noise = seed_noise(model, [seed for _, seed in rows])
+    elif per_prompt is not None:
+        # The config's eval noise stream (seeded by run.seed), one draw per sample, prompt-major.
+        rows = [(record, None) for record in records for _ in range(per_prompt)]
+        noise = torch.cat([model.initial_noise(1, seeded_generator(config.run.seed, "eval", i))
+                           for i in range(len(rows))])
     else:
         # The trainer's evaluation samples and noise (Trainer.eval_samples / eval_noise): its
         # eval/ metrics are reproduced, including eval_per_family's balanced selection.
@@ -678,17 +720,31 @@ def run_eval(args: argparse.Namespace) -> int:
     scores = reward(media, prompts, metadata)
     families = [m.get("family") if isinstance(m, dict) else None for m in metadata]
     statistics = reward_statistics(scores, families)
+    passk = None
+    if per_prompt is not None:
+        from flowgrpo.passk import passk_report
+
+        # rows are prompt-major with per_prompt samples each: (P * K,) -> (P, K)
+        passk = passk_report({k: v.reshape(len(records), per_prompt) for k, v in scores.items()},
+                             families[::per_prompt], threshold, passk_keys)
     result = {
         "model": f"{family}:{path}", "checkpoint": str(checkpoint.path) if checkpoint.path else BASE,
         "config": args.config, "num_steps": steps, "guidance_scale": guidance,
         "num_samples": len(rows), **statistics,
+        **({"pass_at_k": passk} if passk is not None else {}),
         "samples": [{"prompt": record["prompt"], "seed": seed,
                      "family": record["metadata"].get("family"),
+                     **({"prompt_index": i // per_prompt} if per_prompt is not None else {}),
                      "rewards": {k: _json_number(float(v[i])) for k, v in scores.items()}}
                     for i, (record, seed) in enumerate(rows)],
     }
     out.write_text(json.dumps(result, indent=2))
     print(format_table(statistics))
+    if passk is not None:
+        from flowgrpo.passk import format_passk_table
+
+        print()
+        print(format_passk_table(passk))
     print(f"{len(rows)} samples, {steps} steps, guidance {guidance}; wrote {out}")
     return 0
 
@@ -858,6 +914,21 @@ def add_commands(subparsers) -> None:
     evaluate.add_argument("--seeds", nargs="+", default=None,
                           help="seeds per prompt, e.g. 0 1 or 0-3 (default: the config's eval "
                                "noise, else 0)")
+    evaluate.add_argument("--samples-per-prompt", type=int, default=None, metavar="K",
+                          help="pass@k diagnostics: sample each eval prompt K times with K "
+                               "distinct noises (seeds 0..K-1, or the K --seeds, or with a "
+                               "CONFIG its eval noise stream; with a CONFIG the prompts are the "
+                               "distinct prompts of its evaluation: the first eval_per_family of "
+                               "each family, or all) and report pass@1, pass@k for k = 1, 2, "
+                               "4, ..., K (unbiased estimator), the share of prompts with "
+                               "0 < successes < K and the histogram of successes per prompt, "
+                               "per family and overall")
+    evaluate.add_argument("--success-threshold", type=float, default=0.5, metavar="T",
+                          help="a sample succeeds when its score is >= T (default 0.5: a 0/1 "
+                               "verdict succeeds when it is 1)")
+    evaluate.add_argument("--passk-keys", default=None, metavar="KEY[,KEY]",
+                          help="reward keys to report pass@k for (default: every key whose "
+                               "scores are all 0 or 1, e.g. geneval_toy.exact)")
     evaluate.add_argument("--out", default="eval.json", help="JSON results file (default eval.json)")
     evaluate.set_defaults(handler=run_eval)
 

@@ -82,3 +82,16 @@ def eval_selection(records: list[dict], eval_per_family: int = 0, eval_seeds: in
         by_family.setdefault(str(record["metadata"].get("family")), []).append(record)
     return [family_records[k % len(family_records)] for family_records in by_family.values()
             for k in range(eval_per_family)]
+
+
+def eval_prompts(records: list[dict], eval_per_family: int = 0) -> list[dict]:
+    """The distinct prompts ``eval_selection`` samples, each once, in its order: the first
+    ``eval_per_family`` prompts of each family (families in order of first appearance) when
+    ``eval_per_family > 0``, else every record (``flowgrpo eval --samples-per-prompt``)."""
+    if eval_per_family <= 0:
+        return list(records)
+    by_family: dict[str, list[dict]] = {}
+    for record in records:
+        by_family.setdefault(str(record["metadata"].get("family")), []).append(record)
+    return [r for family_records in by_family.values() for r in family_records[:eval_per_family]]
+

@@ -24,6 +24,7 @@ from flowgrpo.ema import EMA
 from flowgrpo.losses import (check_weights, flow_kl, guard_log_ratio, guard_step_weights,
                              policy_loss, rectification_weights, surrogate_stats)
 from flowgrpo.plans import make_plan
+from flowgrpo.passk import family_mean_se, mean_and_se
 from flowgrpo.prompts import eval_selection, load_prompts, sample_groups
 from flowgrpo.rollout import (RolloutBatch, RolloutSettings, replay_logp, rollout, sample_ode,
                               seeded_generator)
@@ -446,19 +447,24 @@ class Trainer:
                                guidance, batch_size=max(s.rollout_batch_size, 16))
         scores = self.reward(media, prompts, metadata)
         metrics: dict[str, float] = {}
+        # Every mean X comes with its standard error X/se (std / sqrt(n), flowgrpo.passk).
         for name, values in scores.items():
             valid = values[~values.isnan()]
             metrics[f"eval/{name}"] = float(valid.mean()) if len(valid) else float("nan")
+            metrics[f"eval/{name}/se"] = mean_and_se(valid)[1]
             families = sorted({str(m.get("family")) for m in metadata if m.get("family")})
-            per_family = []
+            per_family, per_family_se = [], []
             for family in families:
                 mask = torch.tensor([m.get("family") == family for m in metadata]) & ~values.isnan()
                 if mask.any():
                     metrics[f"eval/{name}/{family}"] = float(values[mask].mean())
+                    metrics[f"eval/{name}/{family}/se"] = mean_and_se(values[mask])[1]
                     per_family.append(metrics[f"eval/{name}/{family}"])
+                    per_family_se.append(metrics[f"eval/{name}/{family}/se"])
             if per_family:
                 # GenEval's overall score: the mean over task families, not over prompts.
                 metrics[f"eval/{name}/family_mean"] = _mean(per_family)
+                metrics[f"eval/{name}/family_mean/se"] = family_mean_se(per_family_se)
         if save_images:
             from torchvision.utils import save_image
 
@@ -656,7 +662,9 @@ class Trainer:
                     (k.count("/") == 1 or k.endswith("/family_mean"))]
             for key in keys:
                 first = evals[0].get(key, float("nan"))
-                parts.append(f"{key} {first:.3f} -> {evals[-1][key]:.3f}")
+                se = evals[-1].get(f"{key}/se")
+                parts.append(f"{key} {first:.3f} -> {evals[-1][key]:.3f}"
+                             + (f" (se {se:.3f})" if se is not None else ""))
         if (self.run_dir / "comparison.png").is_file():
             parts.append(f"grid {self.run_dir / 'comparison.png'}")
         parts.append(f"outputs in {self.run_dir}")

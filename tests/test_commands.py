@@ -220,6 +220,14 @@ def test_eval_reports_statistics_per_component_and_family(tiny_sd3_path, workdir
     counting = brightness[[2, 3]]
     assert result["family_mean"]["brightness"] == pytest.approx(
         float(colors.mean() + counting.mean()) / 2, abs=1e-6)
+    # standard errors: std / sqrt(n) per mean, sqrt(sum_f se_f^2) / F for the family mean
+    assert stats["se"] == pytest.approx(float(brightness.std(unbiased=False)) / 6 ** 0.5, abs=1e-6)
+    se = {name: float(v.std(unbiased=False)) / len(v) ** 0.5
+          for name, v in (("colors", colors), ("counting", counting))}
+    for name in se:
+        assert result["families"][name]["brightness"]["se"] == pytest.approx(se[name], abs=1e-6)
+    assert result["family_mean_se"]["brightness"] == pytest.approx(
+        (se["colors"] ** 2 + se["counting"] ** 2) ** 0.5 / 2, abs=1e-6)
     table = capsys.readouterr().out
     assert "colors" in table and "counting" in table and "brightness" in table
     assert "family mean" in table
@@ -262,6 +270,19 @@ def test_eval_from_config_reproduces_the_trainers_evaluation(tiny_sd3_path, work
             metrics[f"eval/brightness/{family}"], abs=1e-6)
     assert result["family_mean"]["brightness"] == pytest.approx(
         metrics["eval/brightness/family_mean"], abs=1e-6)
+    # the trainer's eval records carry the same standard errors (<metric>/se)
+    assert result["rewards"]["brightness"]["se"] == pytest.approx(metrics["eval/brightness/se"],
+                                                                  abs=1e-6)
+    for family in ("animals", "shapes"):
+        entry = result["families"][family]["brightness"]
+        assert entry["se"] == pytest.approx(entry["std"] / entry["count"] ** 0.5, abs=1e-9)
+        assert entry["se"] == pytest.approx(metrics[f"eval/brightness/{family}/se"], abs=1e-6)
+    assert metrics["eval/brightness/animals/se"] > 0
+    assert result["family_mean_se"]["brightness"] == pytest.approx(
+        metrics["eval/brightness/family_mean/se"], abs=1e-6)
+    assert metrics["eval/brightness/family_mean/se"] == pytest.approx(
+        (metrics["eval/brightness/animals/se"] ** 2 + metrics["eval/brightness/shapes/se"] ** 2)
+        ** 0.5 / 2, abs=1e-9)
 
 
 # ------------------------------------------------------------------------------ errors
