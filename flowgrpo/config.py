@@ -65,6 +65,28 @@ class ModelConfig:
 
 
 @dataclass
+class CurriculumConfig:
+    """Variance curriculum (CGPO-style): draw training prompts whose groups had reward variance
+    more often. Weight of a prompt = floor + estimated P(its next group is mixed), where the
+    estimate is (mixed + prior * prior_strength) / (groups + prior_strength) over its past groups'
+    decayed counts (``flowgrpo.prompts.PromptCurriculum``)."""
+
+    enabled: bool = _help("Turn the variance curriculum on (flow policies only).", default=False)
+    floor: float = _help(
+        "Weight every prompt keeps on top of its estimated P(mixed) (>= 0), so all-right and "
+        "all-wrong prompts are still drawn and can turn mixed; 0.1 draws an always-mixed prompt "
+        "up to 11x as often as an always-constant one.", default=0.1)
+    prior: float = _help("Estimated P(mixed) of a prompt never trained on, in [0, 1].", default=0.5)
+    prior_strength: float = _help(
+        "Pseudo-groups of the prior in the estimate (> 0): how many groups it takes for a "
+        "prompt's own history to outweigh it.", default=1.0)
+    decay: float = _help(
+        "Each new group of a prompt multiplies its past counts by decay, in (0, 1]: 1 = plain "
+        "counts; < 1 forgets old groups as the policy changes (about 1 / (1 - decay) groups "
+        "remembered).", default=0.8)
+
+
+@dataclass
 class PromptsConfig:
     train: str = _help("Training prompts: 'toy:train', a .txt file (one prompt a line) or a .jsonl "
                        "file of {prompt, metadata}.", default="toy:train")
@@ -79,6 +101,10 @@ class PromptsConfig:
         "If > 0: evaluate exactly this many samples per metadata['family'] (cycling through the "
         "family's prompts with new seeds), so rare families are measured as precisely as common "
         "ones; eval_seeds is then ignored.", default=0)
+    curriculum: CurriculumConfig = _help(
+        "Variance curriculum over training prompts (off by default); combines with "
+        "balance_key: the value is drawn uniformly, then a prompt by curriculum weight.",
+        default_factory=CurriculumConfig)
 
 
 @dataclass
@@ -385,6 +411,22 @@ def validate(config: TrainConfig, num_processes: int = 1) -> None:
         _positive(m.lora.rank, "model.lora.rank")
         _positive(m.lora.alpha, "model.lora.alpha")
         _choice(m.lora.init, ("gaussian", "default"), "model.lora.init")
+    cur = config.prompts.curriculum
+    if cur.enabled:
+        if config.policy != "flow":
+            raise ConfigError("prompts.curriculum.enabled is only supported for policy: flow "
+                              "(the llm trainer resamples prompts itself); set it to false")
+        _positive(cur.floor, "prompts.curriculum.floor", allow_zero=True)
+        if not 0 <= cur.prior <= 1:
+            raise ConfigError(f"prompts.curriculum.prior is a probability and must be in [0, 1] "
+                              f"(got {cur.prior})")
+        _positive(cur.prior_strength, "prompts.curriculum.prior_strength")
+        if not 0 < cur.decay <= 1:
+            raise ConfigError(f"prompts.curriculum.decay must be in (0, 1] (1 = plain counts; "
+                              f"got {cur.decay})")
+        if cur.floor == 0 and cur.prior == 0:
+            raise ConfigError("prompts.curriculum.floor and prompts.curriculum.prior are both 0, "
+                              "so every prompt starts with weight 0: make floor > 0 or prior > 0")
     s = config.sampling
     _positive(s.num_steps, "sampling.num_steps")
     _positive(s.eval_num_steps, "sampling.eval_num_steps")

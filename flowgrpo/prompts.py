@@ -5,10 +5,13 @@ Every source yields ``{"prompt": str, "metadata": dict}`` records; rewards that 
 """
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 from pathlib import Path
 
 import torch
+from torch import Tensor
 
 from flowgrpo.rollout import seeded_generator
 
@@ -41,30 +44,190 @@ def load_prompts(source: str) -> list[dict]:
     return records
 
 
-def sample_groups(records: list[dict], num_groups: int, seed: int, iteration: int,
-                  balance_key: str | None = None) -> list[dict]:
-    """The ``num_groups`` prompts of one iteration: a deterministic function of (seed, iteration).
+def sample_groups(records: list[dict], num_groups: int, seed: int, iteration: int | str,
+                  balance_key: str | None = None, weights: Tensor | None = None) -> list[dict]:
+    """The ``num_groups`` prompts of one iteration: a deterministic function of (seed, iteration,
+    weights). See ``sample_indices``."""
+    buckets = bucket_labels(records, balance_key) if balance_key else None
+    return [records[i] for i in sample_indices(len(records), num_groups, seed, iteration,
+                                               buckets, weights)]
 
-    Without ``balance_key``: draws without replacement within an iteration while there are enough
-    prompts. With it (e.g. "family"): each group first draws a value of ``metadata[balance_key]``
-    uniformly, then a prompt of that value, so a rare task family is trained as often as a common
-    one (GenEval's prompt set is dominated by one family).
+
+def bucket_labels(records: list[dict], balance_key: str) -> list[str]:
+    """``str(metadata[balance_key])`` of every record (a missing key reads as "None")."""
+    return [str(record["metadata"].get(balance_key)) for record in records]
+
+
+def sample_indices(num_records: int, num_groups: int, seed: int, iteration: int | str,
+                   buckets: list[str] | None = None, weights: Tensor | None = None) -> list[int]:
+    """Indices of the ``num_groups`` prompts of one iteration, a pure function of its arguments.
+
+    Without ``buckets``: draws without replacement within an iteration while there are enough
+    prompts (then starts another round), uniformly, or with ``weights`` (P,) >= 0 by
+    ``torch.multinomial`` (the first draw picks prompt i with probability w_i / sum w). With
+    ``buckets`` (one label per prompt, e.g. its family): each group first draws a label
+    uniformly, then a prompt of that label, uniformly or by ``weights`` within the label, so a
+    rare task family is trained as often as a common one (GenEval's prompt set is dominated by
+    one family). ``draw_probabilities`` gives the closed-form chance of each prompt per draw.
     """
     generator = seeded_generator(seed, iteration, "prompts")
-    if balance_key:
-        buckets: dict[str, list[dict]] = {}
-        for record in records:
-            buckets.setdefault(str(record["metadata"].get(balance_key)), []).append(record)
-        keys = sorted(buckets)
+    if weights is not None:
+        weights = torch.as_tensor(weights, dtype=torch.float64)
+        if weights.shape != (num_records,) or bool((weights < 0).any()) or \
+                not bool(torch.isfinite(weights).all()) or float(weights.sum()) <= 0:
+            raise ValueError(f"weights must be ({num_records},) finite and >= 0 with a positive "
+                             f"sum (got shape {tuple(weights.shape)})")
+    if buckets is not None:
+        if len(buckets) != num_records:
+            raise ValueError(f"buckets must have one label per prompt ({num_records}), "
+                             f"got {len(buckets)}")
+        members: dict[str, list[int]] = {}
+        for index, label in enumerate(buckets):
+            members.setdefault(label, []).append(index)
+        keys = sorted(members)
+        if weights is not None:
+            # A label whose prompts all weigh 0 cannot be drawn (a family has no choice in it).
+            keys = [k for k in keys if float(weights[members[k]].sum()) > 0]
         picks = []
         for _ in range(num_groups):
-            bucket = buckets[keys[int(torch.randint(len(keys), (1,), generator=generator))]]
-            picks.append(bucket[int(torch.randint(len(bucket), (1,), generator=generator))])
+            bucket = members[keys[int(torch.randint(len(keys), (1,), generator=generator))]]
+            if weights is None:
+                picks.append(bucket[int(torch.randint(len(bucket), (1,), generator=generator))])
+            else:
+                inner = weights[bucket]
+                picks.append(bucket[int(torch.multinomial(inner, 1, generator=generator))])
         return picks
-    order = torch.randperm(len(records), generator=generator).tolist()
+    if weights is None:
+        order = torch.randperm(num_records, generator=generator).tolist()
+        while len(order) < num_groups:
+            order += torch.randperm(num_records, generator=generator).tolist()
+        return order[:num_groups]
+    drawable = int((weights > 0).sum())
+    order: list[int] = []
     while len(order) < num_groups:
-        order += torch.randperm(len(records), generator=generator).tolist()
-    return [records[i] for i in order[:num_groups]]
+        count = min(drawable, num_groups - len(order))
+        order += torch.multinomial(weights, count, replacement=False, generator=generator).tolist()
+    return order
+
+
+def draw_probabilities(weights: Tensor, buckets: list[str] | None = None) -> Tensor:
+    """(P,) probability that one draw of ``sample_indices`` picks each prompt (its first draw of an
+    iteration; later draws within an iteration are without replacement when there are no
+    buckets): w_i / sum w, or with buckets (1 / L) * w_i / (sum of w over i's label), over the L
+    labels with positive weight."""
+    weights = torch.as_tensor(weights, dtype=torch.float64)
+    if buckets is None:
+        return weights / weights.sum()
+    totals: dict[str, float] = {}
+    for label, weight in zip(buckets, weights.tolist()):
+        totals[label] = totals.get(label, 0.0) + weight
+    live = sum(1 for total in totals.values() if total > 0)
+    return torch.tensor([w / totals[label] / live if totals[label] > 0 else 0.0
+                         for label, w in zip(buckets, weights.tolist())], dtype=torch.float64)
+
+
+# --------------------------------------------------------------------------- variance curriculum
+def mixed_groups(rewards: dict[str, Tensor], group_ids: Tensor, num_groups: int
+                 ) -> tuple[Tensor, Tensor]:
+    """Which groups carried reward variance: (mixed (G,) bool, informative (G,) bool).
+
+    rewards: key -> (B,) scores (NaN = none) of the batch's samples, group_ids (B,) in
+    [0, num_groups). A group is informative when every key has >= 2 valid scores in it, and
+    mixed when it is informative and some key's valid scores differ (max > min, exactly as
+    ``advantages`` decides that a group carries signal). Pass the keys the advantages use
+    ("total", or every component for GDPO)."""
+    mixed = torch.zeros(num_groups, dtype=torch.bool)
+    informative = torch.ones(num_groups, dtype=torch.bool)
+    group_ids = group_ids.long().cpu()
+    for values in rewards.values():
+        values = values.detach().double().cpu()
+        valid = ~values.isnan()
+        count = torch.zeros(num_groups, dtype=torch.long).index_add_(0, group_ids, valid.long())
+        high = torch.full((num_groups,), -math.inf, dtype=torch.float64).scatter_reduce(
+            0, group_ids[valid], values[valid], "amax")
+        low = torch.full((num_groups,), math.inf, dtype=torch.float64).scatter_reduce(
+            0, group_ids[valid], values[valid], "amin")
+        informative &= count >= 2
+        mixed |= (count >= 2) & (high > low)
+    return mixed & informative, informative
+
+
+def mixed_probability(mixed: Tensor, groups: Tensor, prior: float, prior_strength: float) -> Tensor:
+    """Estimated probability that a prompt's next group is mixed, (P,) float64: the smoothed
+    frequency ``(mixed + prior * prior_strength) / (groups + prior_strength)`` of its (decayed)
+    counts of mixed groups and of all groups; a prompt never seen gets ``prior``."""
+    return (mixed.double() + prior * prior_strength) / (groups.double() + prior_strength)
+
+
+class PromptCurriculum:
+    """CGPO-style variance curriculum: training prompts whose groups had reward variance are drawn
+    more often than prompts whose groups were all right or all wrong.
+
+    Keeps per prompt a decayed count of its groups and of its mixed groups (each new group of a
+    prompt first multiplies that prompt's counts by ``decay``), and gives each prompt the sampling
+    weight ``floor + mixed_probability(...)``. The state is a function of the observed groups in
+    order, so processes that observe the same gathered rewards hold the same state; it is saved
+    in checkpoints (``state_dict``) for an exact resume.
+    """
+
+    def __init__(self, prompts: list[str], floor: float = 0.1, prior: float = 0.5,
+                 prior_strength: float = 1.0, decay: float = 0.8) -> None:
+        self.fingerprint = prompts_fingerprint(prompts)
+        self.floor, self.prior, self.prior_strength, self.decay = floor, prior, prior_strength, decay
+        self.groups = torch.zeros(len(prompts), dtype=torch.float64)
+        self.mixed = torch.zeros(len(prompts), dtype=torch.float64)
+
+    def probabilities(self) -> Tensor:
+        """(P,) estimated probability that each prompt's next group is mixed."""
+        return mixed_probability(self.mixed, self.groups, self.prior, self.prior_strength)
+
+    def weights(self) -> Tensor:
+        """(P,) sampling weights: floor + estimated probability of a mixed group."""
+        return self.floor + self.probabilities()
+
+    def observe(self, indices: list[int], mixed: list[bool]) -> None:
+        """Record one group per entry, in order: prompt ``indices[j]`` had a mixed group or not."""
+        if len(indices) != len(mixed):
+            raise ValueError(f"indices ({len(indices)}) and mixed ({len(mixed)}) must pair up")
+        for index, was_mixed in zip(indices, mixed):
+            self.groups[index] = self.decay * self.groups[index] + 1.0
+            self.mixed[index] = self.decay * self.mixed[index] + float(bool(was_mixed))
+
+    def summary(self, buckets: list[str] | None = None) -> dict[str, float]:
+        """``seen_prompts``; ``expected_mixed_share``: the chance that a draw with these weights
+        gives a mixed group, by the estimates; ``uniform_mixed_share``: the same for draws without
+        the curriculum (uniform, or uniform per bucket)."""
+        p = self.probabilities()
+        uniform = draw_probabilities(torch.ones_like(p), buckets)
+        return {"seen_prompts": float((self.groups > 0).sum()),
+                "expected_mixed_share": float((draw_probabilities(self.weights(), buckets) * p).sum()),
+                "uniform_mixed_share": float((uniform * p).sum())}
+
+    def state_dict(self) -> dict:
+        """JSON-safe state (float64 values round-trip exactly through JSON)."""
+        return {"fingerprint": self.fingerprint, "groups": self.groups.tolist(),
+                "mixed": self.mixed.tolist()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if state.get("fingerprint") != self.fingerprint:
+            raise ValueError("the checkpoint's curriculum was built on other training prompts "
+                             "(prompts.train changed since it was saved); resume with the run's "
+                             "prompts or disable prompts.curriculum")
+        groups = torch.tensor(state["groups"], dtype=torch.float64)
+        mixed = torch.tensor(state["mixed"], dtype=torch.float64)
+        if groups.shape != self.groups.shape or mixed.shape != self.mixed.shape:
+            raise ValueError(f"curriculum state holds {len(groups)} prompts, expected "
+                             f"{len(self.groups)}")
+        self.groups, self.mixed = groups, mixed
+
+
+def prompts_fingerprint(prompts: list[str]) -> str:
+    """sha256 of the prompts in order (identifies a training set in a checkpoint)."""
+    digest = hashlib.sha256()
+    for prompt in prompts:
+        digest.update(prompt.encode("utf-8"))
+        digest.update(b"\0")
+    return f"{len(prompts)}:{digest.hexdigest()}"
 
 
 def eval_selection(records: list[dict], eval_per_family: int = 0, eval_seeds: int = 1) -> list[dict]:

@@ -25,7 +25,8 @@ from flowgrpo.losses import (check_weights, flow_kl, guard_log_ratio, guard_step
                              policy_loss, rectification_weights, surrogate_stats)
 from flowgrpo.plans import make_plan
 from flowgrpo.passk import family_mean_se, mean_and_se
-from flowgrpo.prompts import eval_selection, load_prompts, sample_groups
+from flowgrpo.prompts import (PromptCurriculum, bucket_labels, eval_selection, load_prompts,
+                              mixed_groups, sample_indices)
 from flowgrpo.rollout import (RolloutBatch, RolloutSettings, replay_logp, rollout, sample_ode,
                               seeded_generator)
 
@@ -67,6 +68,13 @@ class Trainer:
         if config.prompts.num_eval:
             self.eval_records = self.eval_records[:config.prompts.num_eval]
         self.reward = self.load_rewards()
+        cur = config.prompts.curriculum
+        self.curriculum = PromptCurriculum(
+            [r["prompt"] for r in self.train_records], floor=cur.floor, prior=cur.prior,
+            prior_strength=cur.prior_strength, decay=cur.decay) if cur.enabled else None
+        self.train_buckets = (bucket_labels(self.train_records, config.prompts.balance_key)
+                              if config.prompts.balance_key else None)
+        self._drawn: tuple[int, list[int]] | None = None
 
         self.model = model   # tests and benchmarks may hand in a built FlowModel
         self.load_policy()
@@ -169,12 +177,23 @@ class Trainer:
                                iteration=iteration)
 
     # ------------------------------------------------------------------ one iteration
+    def group_prompts(self, iteration: int) -> list[int]:
+        """Indices into ``train_records`` of the iteration's groups: a function of (seed,
+        iteration) and, with the curriculum, of its state when the iteration is first asked for
+        (kept, so a later call within the iteration returns the same draw)."""
+        if self._drawn is not None and self._drawn[0] == iteration:
+            return self._drawn[1]
+        weights = self.curriculum.weights() if self.curriculum is not None else None
+        indices = sample_indices(len(self.train_records), self.config.training.prompts_per_iteration,
+                                 self.config.run.seed, iteration, self.train_buckets, weights)
+        self._drawn = (iteration, indices)
+        return indices
+
     def local_batch(self, iteration: int) -> tuple[list[dict], Tensor, Tensor]:
         """This process's rows of the iteration: records, group_ids (B,), sample_ids (B,).
         Sample j of the global batch belongs to group j // group_size; a group may span processes."""
         t = self.config.training
-        groups = sample_groups(self.train_records, t.prompts_per_iteration, self.config.run.seed,
-                               iteration, self.config.prompts.balance_key)
+        groups = [self.train_records[i] for i in self.group_prompts(iteration)]
         total = t.prompts_per_iteration * t.group_size
         per_process = total // self.accelerator.num_processes
         start = self.accelerator.process_index * per_process
@@ -249,7 +268,28 @@ class Trainer:
             metrics[f"reward/{name}/mean"] = float(valid.mean()) if len(valid) else float("nan")
             metrics[f"reward/{name}/std"] = float(valid.std(unbiased=False)) if len(valid) else 0.0
         metrics["reward/nan_count"] = int(gathered["total"].isnan().sum())
+        # The same on every process (gathered), for the curriculum's bookkeeping.
+        self.gathered = (gathered, group_ids)
         return advantages[start:start + local], metrics
+
+    def observe_curriculum(self, iteration: int) -> dict[str, float]:
+        """Record which of the iteration's groups had reward variance (from the gathered rewards,
+        so every process records the same) and return the curriculum's ``train/`` metrics:
+        ``curriculum_mixed_share`` (this iteration's groups), ``curriculum_expected_mixed_share``
+        and ``curriculum_uniform_mixed_share`` (the estimated mixed share of a draw with and
+        without the curriculum, after this update) and ``curriculum_seen_prompts``."""
+        gathered, group_ids = self.gathered
+        keys = (list(self.reward.weights) if self.config.rewards.aggregation == "decoupled"
+                else ["total"])
+        indices = self.group_prompts(iteration)
+        mixed, informative = mixed_groups({k: gathered[k] for k in keys}, group_ids, len(indices))
+        kept = [g for g in range(len(indices)) if bool(informative[g])]
+        self.curriculum.observe([indices[g] for g in kept], [bool(mixed[g]) for g in kept])
+        metrics = {"train/curriculum_mixed_share":
+                   float(mixed[informative].double().mean()) if kept else float("nan")}
+        metrics.update({f"train/curriculum_{k}": v
+                        for k, v in self.curriculum.summary(self.train_buckets).items()})
+        return metrics
 
     def update(self, batch: RolloutBatch, advantages: Tensor, iteration: int) -> dict[str, float]:
         """num_inner_epochs passes over the rollout's replay batches, clipped-surrogate loss."""
@@ -413,6 +453,8 @@ class Trainer:
             group["lr"] = self.learning_rate(iteration)
         batch, rewards, timing = self.rollout_and_score(iteration)
         advantages, metrics = self.compute_advantages(batch, rewards)
+        if self.curriculum is not None:
+            metrics.update(self.observe_curriculum(iteration))
         began = time.perf_counter()
         metrics.update(self.update(batch, advantages, iteration))
         metrics.update(timing)
@@ -548,7 +590,9 @@ class Trainer:
                 ema_state=self.ema.state_dict() if self.ema else None,
                 ema_counters=self.ema.counters() if self.ema else None, save_lora=save_lora,
                 extra={"name": self.config.name, "family": self.config.model.family,
-                       "policy": self.config.policy})
+                       "policy": self.config.policy,
+                       **({"curriculum": self.curriculum.state_dict()}
+                          if self.curriculum is not None else {})})
             ckpt.prune_checkpoints(self.run_dir, self.config.run.keep_checkpoints)
         self.accelerator.wait_for_everyone()
         return directory
@@ -580,6 +624,12 @@ class Trainer:
             self.ema.load(state["ema"], state["state"]["ema"])
         torch.set_rng_state(state["rng"])
         self.start_iteration = int(state["state"]["iteration"])
+        if self.curriculum is not None:
+            if "curriculum" in state["state"]:
+                self.curriculum.load_state_dict(state["state"]["curriculum"])
+            else:
+                print(f"checkpoint {path} has no curriculum state (saved without "
+                      f"prompts.curriculum): the curriculum starts from its prior", flush=True)
 
     # ------------------------------------------------------------------ the run
     def log(self, record: dict) -> None:
