@@ -750,15 +750,39 @@ def run_eval(args: argparse.Namespace) -> int:
 
 
 # ================================================================================ flowgrpo grid
+VERDICT_MARKS = ("PASS", "FAIL")   # plain ASCII: every font renders it
+
+
+def verdict_keys(columns: list[dict[str, Tensor]], weights: dict[str, float]) -> set[str]:
+    """The caption keys (the weighted rewards and "total") whose scores are verdicts: all 0 or 1
+    over every column's samples (``flowgrpo.passk.is_binary``), e.g. ``geneval_toy`` with
+    ``score: exact``."""
+    import torch
+
+    from flowgrpo.passk import is_binary
+
+    keys = [*weights, "total"]
+    return {key for key in keys if all(key in column for column in columns)
+            and is_binary(torch.cat([column[key].flatten().double() for column in columns]))}
+
+
 def cell_caption(scores: dict[str, Tensor], weights: dict[str, float], row: int,
-                 max_lines: int = 4) -> str:
+                 max_lines: int = 4, verdict: set[str] | frozenset[str] = frozenset()) -> str:
     """'0.512 total' (when several rewards are weighted) then '0.700 name' per reward: the value
-    first, so a narrow cell cuts the name, not the number."""
+    first, so a narrow cell cuts the name, not the number. A key in ``verdict`` (a 0/1 verifier,
+    see ``verdict_keys``) reads 'PASS 1.000 name' or 'FAIL 0.000 name' (PASS when >= 0.5)."""
     keys = list(weights)
+
+    def line(key: str) -> str:
+        value = float(scores[key][row])
+        if key in verdict and not math.isnan(value):
+            return f"{VERDICT_MARKS[0] if value >= 0.5 else VERDICT_MARKS[1]} {value:.3f} {key}"
+        return f"{value:.3f} {key}"
+
     lines = []
     if len(keys) > 1:
-        lines.append(f"{float(scores['total'][row]):.3f} total")
-    lines += [f"{float(scores[key][row]):.3f} {key}" for key in keys]
+        lines.append(line("total"))
+    lines += [line(key) for key in keys]
     return "\n".join(lines[:max_lines])
 
 
@@ -817,8 +841,9 @@ def run_grid(args: argparse.Namespace) -> int:
     col_labels = [checkpoint.label for checkpoint in checkpoints]
     cell_labels = None
     if reward is not None:
-        cell_labels = [[cell_caption(scores[c], reward.weights, r) for c in range(len(checkpoints))]
-                       for r in range(len(rows))]
+        verdicts = verdict_keys(scores, reward.weights)
+        cell_labels = [[cell_caption(scores[c], reward.weights, r, verdict=verdicts)
+                        for c in range(len(checkpoints))] for r in range(len(rows))]
     is_video = media.dim() == 6
     pages = paginate(len(rows), args.max_rows)
     target = out.with_suffix(".mp4") if is_video else (

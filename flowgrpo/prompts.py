@@ -258,3 +258,15 @@ def eval_prompts(records: list[dict], eval_per_family: int = 0) -> list[dict]:
         by_family.setdefault(str(record["metadata"].get("family")), []).append(record)
     return [r for family_records in by_family.values() for r in family_records[:eval_per_family]]
 
+
+def comparison_prompts(records: list[dict], per_family: int = 2, limit: int = 12) -> list[dict]:
+    """Rows of the trainer's before/after grid, chosen without looking at any result: the first
+    ``per_family`` prompts of each ``metadata["family"]`` in the source's order (families in
+    order of first appearance, records without a family as one more group), or the first
+    ``limit`` prompts when no record has a family."""
+    if not any(record["metadata"].get("family") for record in records):
+        return list(records[:limit])
+    by_family: dict[str, list[dict]] = {}
+    for record in records:
+        by_family.setdefault(str(record["metadata"].get("family")), []).append(record)
+    return [r for family_records in by_family.values() for r in family_records[:per_family]]

@@ -25,8 +25,8 @@ from flowgrpo.losses import (check_weights, flow_kl, guard_log_ratio, guard_step
                              policy_loss, rectification_weights, surrogate_stats)
 from flowgrpo.plans import make_plan
 from flowgrpo.passk import family_mean_se, mean_and_se
-from flowgrpo.prompts import (PromptCurriculum, bucket_labels, eval_selection, load_prompts,
-                              mixed_groups, sample_indices)
+from flowgrpo.prompts import (PromptCurriculum, bucket_labels, comparison_prompts, eval_selection,
+                              load_prompts, mixed_groups, sample_indices)
 from flowgrpo.rollout import (RolloutBatch, RolloutSettings, replay_logp, rollout, sample_ode,
                               seeded_generator)
 
@@ -516,20 +516,13 @@ class Trainer:
             save_image(images, out / f"eval_{iteration:05d}.png", nrow=8)
         return metrics
 
-    GRID_ROWS = 12
+    GRID_ROWS = 12          # rows of the grid when the eval prompts have no families
+    GRID_PER_FAMILY = 2     # rows per family otherwise
 
     def grid_records(self) -> list[dict]:
-        """Held-out prompts of the before/after grid: spread over families when there are any."""
-        by_family: dict[str, list[dict]] = {}
-        for record in self.eval_records:
-            by_family.setdefault(str(record["metadata"].get("family")), []).append(record)
-        picks, round_index = [], 0
-        while len(picks) < min(self.GRID_ROWS, len(self.eval_records)):
-            for records in by_family.values():
-                if round_index < len(records) and len(picks) < self.GRID_ROWS:
-                    picks.append(records[round_index])
-            round_index += 1
-        return picks
+        """Held-out prompts of the before/after grid, chosen without looking at any result: the
+        first two eval prompts of each family in the eval source's order (else the first 12)."""
+        return comparison_prompts(self.eval_records, self.GRID_PER_FAMILY, self.GRID_ROWS)
 
     @torch.no_grad()
     def save_grid_samples(self, tag: str) -> None:
@@ -548,10 +541,13 @@ class Trainer:
         save_file({"media": media.contiguous()}, str(self.run_dir / f"grid_{tag}.safetensors"))
 
     def write_comparison_grid(self) -> Path | None:
-        """runs/<name>/comparison.png: rows = held-out prompts, columns = base and final model,
-        the same noise across a row, each cell labelled with its reward."""
+        """runs/<name>/comparison.png: rows = held-out prompts (``grid_records``), columns = base
+        and final model, the same noise across a row, each cell captioned with the verifier's
+        verdict (PASS / FAIL for a reward whose scores are all 0 or 1) and the score of each
+        reward (``commands.cell_caption``)."""
         from safetensors.torch import load_file
 
+        from flowgrpo.commands import cell_caption, verdict_keys
         from flowgrpo.grids import image_grid
 
         base_path = self.run_dir / "grid_base.safetensors"
@@ -565,10 +561,15 @@ class Trainer:
             return None   # video runs: use `flowgrpo grid` for MP4 grids
         prompts = [r["prompt"] for r in records]
         metadata = [r["metadata"] for r in records]
-        scores = [self.reward(m, prompts, metadata)["total"] for m in (base, final)]
+        scores = [self.reward(m, prompts, metadata) for m in (base, final)]
+        weights = self.reward.weights
+        verdicts = verdict_keys(scores, weights)
         images = torch.stack([base, final], dim=1)
-        labels = [[f"{float(scores[c][r]):.2f}" for c in range(2)] for r in range(len(records))]
-        grid = image_grid(images, row_labels=prompts,
+        labels = [[cell_caption(scores[c], weights, r, verdict=verdicts) for c in range(2)]
+                  for r in range(len(records))]
+        rows = [f"{r['prompt']}\n({r['metadata']['family']})" if r["metadata"].get("family")
+                else r["prompt"] for r in records]
+        grid = image_grid(images, row_labels=rows,
                           col_labels=["base", f"iteration {self.config.run.max_iterations}"],
                           cell_labels=labels)
         path = self.run_dir / "comparison.png"
