@@ -1,6 +1,7 @@
 """A toy text-to-image world with GenEval's task families, and its exact verifier.
 
-Scenes hold 1-4 flat-coloured circles, squares and triangles on a black background. Prompts come
+Scenes hold 1-4 flat-coloured circles, squares, triangles (pointing up), wedges (triangles
+pointing down) and wide rectangles on a black background. Prompts come
 from a small grammar with GenEval's six families; every prompt carries structured metadata::
 
     {"family": "color_attr",
@@ -29,8 +30,13 @@ from torch import Tensor
 
 from reward_models.base import register_reward
 
-SHAPES: tuple[str, ...] = ("circle", "square", "triangle")
-PLURALS: dict[str, str] = {"circle": "circles", "square": "squares", "triangle": "triangles"}
+SHAPES: tuple[str, ...] = ("circle", "square", "triangle", "wedge", "rectangle")
+PLURALS: dict[str, str] = {s: s + "s" for s in SHAPES}
+# Width and height of each shape as a share of an object's extent: rectangles are wide bars, the
+# one shape told apart by its aspect ratio.
+ASPECT: dict[str, tuple[float, float]] = {"circle": (1.0, 1.0), "square": (1.0, 1.0),
+                                          "triangle": (1.0, 1.0), "wedge": (1.0, 1.0),
+                                          "rectangle": (1.0, 0.45)}
 # Corners of the RGB cube: every colour has max channel 1, so dimmed or blurred pixels keep their hue.
 PALETTE: dict[str, tuple[float, float, float]] = {
     "red": (1.0, 0.0, 0.0),
@@ -51,6 +57,10 @@ VOCABULARY: tuple[str, ...] = (
     + tuple(PLURALS[s] for s in SHAPES) + COLORS + ("left", "right", "above", "below"))
 
 HELDOUT_FRACTION = 0.25
+# Held-out prompts per family at least: enough distinct prompts that a family's held-out accuracy
+# measures generalisation, not a couple of prompts under many seeds.
+MIN_HELDOUT: dict[str, int] = {"single_object": 3, "two_object": 8, "counting": 8, "colors": 8,
+                               "position": 8, "color_attr": 8}
 SPLIT_SEED = 20240607
 
 
@@ -103,7 +113,7 @@ def _split_family(family: str) -> tuple[list[dict], list[dict]]:
     items = [{"prompt": make_prompt(m), "metadata": m} for m in _family_metadata(family)]
     order = list(range(len(items)))
     random.Random(f"{SPLIT_SEED}-{family}").shuffle(order)
-    n_heldout = max(1, round(HELDOUT_FRACTION * len(items)))
+    n_heldout = max(MIN_HELDOUT[family], round(HELDOUT_FRACTION * len(items)))
     heldout = sorted(order[:n_heldout])
     train = sorted(order[n_heldout:])
     return [items[i] for i in train], [items[i] for i in heldout]
@@ -112,7 +122,9 @@ def _split_family(family: str) -> tuple[list[dict], list[dict]]:
 def prompt_split(split: str) -> list[dict]:
     """Prompts of ``split`` ("train", "heldout" or "all") as {"prompt": str, "metadata": dict},
     grouped by family in ``FAMILIES`` order. "train" and "heldout" are disjoint and deterministic;
-    RL trains on "train" only. Sizes: 240 prompts in all, 60 held out."""
+    RL trains on "train" only. Sizes: 750 prompts in all, 197 held out (single object 3 of 5,
+    two objects 8 of 20, counting 8 of 15, colours 8 of 30, position 20 of 80, colour attribution
+    150 of 600)."""
     if split not in ("train", "heldout", "all"):
         raise ValueError(f"split must be 'train', 'heldout' or 'all' (got {split!r})")
     out: list[dict] = []
@@ -197,6 +209,53 @@ def random_caption(rng: np.random.Generator, family_weights: dict[str, float] | 
     return pool[int(rng.integers(len(pool)))]
 
 
+# What a near-miss caption changes, per family: the requirement the family tests, most often.
+_NEAR_MISS_KINDS: dict[str, tuple[str, ...]] = {
+    "single_object": ("shape",),
+    "two_object": ("shape",),
+    "counting": ("count", "count", "shape"),
+    "colors": ("color", "color", "shape"),
+    "position": ("relation", "relation", "shape"),
+    "color_attr": ("swap_colors", "color", "shape"),
+}
+
+
+def near_miss(metadata: dict, rng: np.random.Generator) -> dict:
+    """A copy of ``metadata`` with exactly one requirement changed: a shape, a colour, a count, the
+    relation (its opposite) or, for colour attribution, the colours swapped between the objects.
+
+    Pretraining renders a share of its captions from a near miss (``scripts/pretrain_toy.py
+    --caption-noise``), as web captions misdescribe images: the model then learns each prompt's
+    correct scene as the main mode among near misses, so it can draw the prompt but does not
+    reliably, which is what RL improves. A render of the result never passes ``verify`` against
+    the original ``metadata`` (tested)."""
+    family = metadata.get("family") or parse_prompt(make_prompt(metadata))["family"]
+    kind = _NEAR_MISS_KINDS[family][int(rng.integers(len(_NEAR_MISS_KINDS[family])))]
+    out = {"family": family, "objects": [dict(o) for o in metadata["objects"]],
+           "relation": metadata.get("relation")}
+    objects = out["objects"]
+    if kind == "shape":
+        target = objects[int(rng.integers(len(objects)))]
+        taken = {o["shape"] for o in objects}
+        choices = [s for s in SHAPES if s not in taken]
+        target["shape"] = choices[int(rng.integers(len(choices)))]
+    elif kind == "count":
+        n = int(objects[0]["count"])
+        choices = [c for c in (n - 1, n + 1) if 1 <= c <= 4]
+        objects[0]["count"] = choices[int(rng.integers(len(choices)))]
+    elif kind == "color":
+        target = objects[int(rng.integers(len(objects)))]
+        taken = {o["color"] for o in objects}
+        choices = [c for c in COLORS if c not in taken]
+        target["color"] = choices[int(rng.integers(len(choices)))]
+    elif kind == "swap_colors":
+        objects[0]["color"], objects[1]["color"] = objects[1]["color"], objects[0]["color"]
+    else:
+        opposite = {"left of": "right of", "right of": "left of", "above": "below", "below": "above"}
+        out["relation"] = opposite[out["relation"]]
+    return out
+
+
 _POOLS: dict[str, dict[str, list[dict]]] = {}
 
 
@@ -214,7 +273,7 @@ def _prompts_by_family(split: str) -> dict[str, list[dict]]:
 # --------------------------------------------------------------------------------------------
 def shape_mask(shape: str, cx: float, cy: float, width: float, height: float, size: int) -> np.ndarray:
     """Boolean (size, size) mask of an ideal shape centred at (cx, cy) in pixel units, sampled at
-    pixel centres. Triangles point up."""
+    pixel centres. Triangles point up, wedges down."""
     ys, xs = np.mgrid[0:size, 0:size].astype(np.float32) + 0.5
     dx, dy = xs - cx, ys - cy
     if shape == "circle":
@@ -224,6 +283,11 @@ def shape_mask(shape: str, cx: float, cy: float, width: float, height: float, si
     if shape == "triangle":
         depth = (dy + height / 2) / height       # 0 at the apex, 1 at the base
         return (depth >= 0) & (depth <= 1) & (np.abs(dx) <= depth * width / 2)
+    if shape == "wedge":
+        depth = (height / 2 - dy) / height       # 0 at the (bottom) apex, 1 at the top edge
+        return (depth >= 0) & (depth <= 1) & (np.abs(dx) <= depth * width / 2)
+    if shape == "rectangle":
+        return (np.abs(dx) <= width / 2) & (np.abs(dy) <= height / 2)
     raise ValueError(f"shape must be one of {SHAPES} (got {shape!r})")
 
 
@@ -233,7 +297,13 @@ class PlacedObject:
     color: str
     cx: float
     cy: float
-    extent: float      # width = height, in pixels
+    extent: float      # the shape's size in pixels; width, height = extent * ASPECT[shape]
+
+    @property
+    def half_size(self) -> tuple[float, float]:
+        """Half the drawn width and height, in pixels."""
+        width, height = ASPECT[self.shape]
+        return self.extent * width / 2, self.extent * height / 2
 
 
 def _relation_holds(relation: str, a: tuple[float, float], b: tuple[float, float], margin: float) -> bool:
@@ -267,8 +337,10 @@ def place_scene(metadata: dict, size: int, rng: np.random.Generator, layout: str
     """A random layout satisfying ``metadata`` (sizes in px at 24 px, scaled with ``size``).
 
     ``"grid"`` (the default, what pretraining renders): each object takes a distinct cell of a
-    2 x 2 grid, 7-8.5 px wide, its centre jittered up to 1.5 px from the cell centre; a relation
-    puts the objects in different columns (left/right) or rows (above/below). The coarse layout is
+    2 x 2 grid, 7-8.5 px wide, its centre jittered up to 1.5 px from the cell centre. Two objects
+    named with "and" stand in reading order (the first in the left column), a relation puts them in
+    the columns (left/right) or rows (above/below) it names, in random rows or columns. The
+    coarse, canonical layout is
     what makes the world learnable by a small model in an hour of CPU. ``"free"``: objects of
     6-10 px anywhere. In both, bounding boxes are at least 2 px apart and a relation holds by
     centroids at least ``relation_gap`` px apart."""
@@ -285,7 +357,7 @@ def place_scene(metadata: dict, size: int, rng: np.random.Generator, layout: str
     for attempt in range(200):
         placed: list[PlacedObject] = []
         if layout == "grid":
-            order = [cells[i] for i in rng.permutation(4)[:len(objects)]]
+            order = _grid_cells(metadata, len(objects), rng)
             for (shape, color, _), (col, row) in zip(objects, order):
                 extent = float(rng.uniform(7.0, 8.5)) * scale
                 jitter = rng.uniform(-1.5, 1.5, size=2) * scale
@@ -306,7 +378,8 @@ def place_scene(metadata: dict, size: int, rng: np.random.Generator, layout: str
                     break
             if len(placed) != len(objects):
                 continue
-        inside = all(p.extent / 2 + 0.5 <= c <= size - p.extent / 2 - 0.5 for p in placed for c in (p.cx, p.cy))
+        inside = all(half + 0.5 <= c <= size - half - 0.5
+                     for p in placed for c, half in zip((p.cx, p.cy), p.half_size))
         apart = all(_separated(p, placed[:i], gap) for i, p in enumerate(placed))
         if not (inside and apart):
             continue
@@ -317,16 +390,39 @@ def place_scene(metadata: dict, size: int, rng: np.random.Generator, layout: str
     raise RuntimeError(f"could not place a scene for {metadata!r} at size {size}")
 
 
+def _grid_cells(metadata: dict, n_objects: int, rng: np.random.Generator) -> list[tuple[int, int]]:
+    """(column, row) per object for the grid layout: random distinct cells, except that two
+    single objects (two objects, position, colour attribution) take the columns or rows their
+    prompt implies, so the layout carries the prompt's word order or relation."""
+    specs = metadata["objects"]
+    if len(specs) != 2 or n_objects != 2:
+        cells = [(col, row) for row in range(2) for col in range(2)]
+        return [cells[i] for i in rng.permutation(4)[:n_objects]]
+    a, b = (int(v) for v in rng.integers(2, size=2))
+    relation = metadata.get("relation") or "left of"
+    if relation == "left of":
+        return [(0, a), (1, b)]
+    if relation == "right of":
+        return [(1, a), (0, b)]
+    if relation == "above":
+        return [(a, 0), (b, 1)]
+    if relation == "below":
+        return [(a, 1), (b, 0)]
+    raise ValueError(f"relation must be one of {RELATIONS} or None (got {relation!r})")
+
+
 def _separated(obj: PlacedObject, others: list[PlacedObject], gap: float) -> bool:
-    return all(abs(obj.cx - p.cx) >= (obj.extent + p.extent) / 2 + gap
-               or abs(obj.cy - p.cy) >= (obj.extent + p.extent) / 2 + gap for p in others)
+    (half_w, half_h) = obj.half_size
+    return all(abs(obj.cx - p.cx) >= half_w + p.half_size[0] + gap
+               or abs(obj.cy - p.cy) >= half_h + p.half_size[1] + gap for p in others)
 
 
 def draw(objects: list[PlacedObject], size: int) -> np.ndarray:
     """float32 (3, size, size) image in [0, 1] of ``objects`` on black."""
     image = np.zeros((3, size, size), dtype=np.float32)
     for obj in objects:
-        mask = shape_mask(obj.shape, obj.cx, obj.cy, obj.extent, obj.extent, size)
+        half_w, half_h = obj.half_size
+        mask = shape_mask(obj.shape, obj.cx, obj.cy, 2 * half_w, 2 * half_h, size)
         image[:, mask] = np.asarray(PALETTE[obj.color], dtype=np.float32)[:, None]
     return image
 
@@ -395,24 +491,30 @@ def detect_objects(image: np.ndarray, min_area: float | None = None,
 
 
 def _classify_shape(blob: np.ndarray) -> str:
-    """Shape of a boolean blob (h, w) cropped to its bounding box, from two geometric features.
+    """Shape of a boolean blob (h, w) cropped to its bounding box, from three geometric features.
 
-    ``asymmetry`` = (pixels in the bottom half - pixels in the top half) / area: about 0.4 for an
-    upward triangle, about 0 for circles and squares. ``corner_fill`` = share of the bounding box
-    pixels outside its inscribed ellipse (radius inflated by 0.4 px for pixel sampling) that are
-    set: 1 for a square, 0 for a circle, robust to mild blur (measured: circles <= 0.25, squares
-    >= 0.5 after a 0.6 px Gaussian blur)."""
+    ``aspect`` = w / h: about 2.2 for the wide rectangles, at most 1.33 for the other shapes after
+    a 0.6 px blur. ``asymmetry`` = (pixels in the bottom half - pixels in the top half) / area:
+    about +0.4 for a triangle (apex up), -0.4 for a wedge (apex down), about 0 for circles and
+    squares. ``corner_fill`` = share of the bounding box pixels outside its inscribed ellipse
+    (radius inflated by 0.4 px for pixel sampling) that are set: 1 for a square, 0 for a circle,
+    robust to mild blur (measured: circles <= 0.25, squares >= 0.5 after a 0.6 px Gaussian blur)."""
     h, w = blob.shape
+    if w >= RECTANGLE_MIN_ASPECT * h:
+        return "rectangle"
     area = blob.sum()
     half = h // 2
     asymmetry = (blob[h - half:].sum() - blob[:half].sum()) / max(area, 1)
     if asymmetry > 0.2:
         return "triangle"
+    if asymmetry < -0.2:
+        return "wedge"
     outside = _outside_ellipse(h, w)
     corner_fill = blob[outside].mean() if outside.any() else 1.0
     return "square" if corner_fill > 0.4 else "circle"
 
 
+RECTANGLE_MIN_ASPECT = 1.45
 _OUTSIDE_CACHE: dict[tuple[int, int], np.ndarray] = {}
 
 

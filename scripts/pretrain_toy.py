@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from pipelines.toy import (ToyArchitecture, ToyFlowModel, ToyOptions, ToySamplingDefaults,  # noqa: E402
                           build_toy_model)
 from reward_models.shapes import (DEFAULT_FAMILY_WEIGHTS, FAMILIES, GenevalToyReward,  # noqa: E402
-                                  prompt_split, random_caption, render)
+                                  near_miss, prompt_split, random_caption, render)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -51,6 +51,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--ema-decay", type=float, default=0.999)
     p.add_argument("--caption-dropout", type=float, default=0.1, help="share of empty captions (CFG)")
+    p.add_argument("--caption-noise", type=float, default=0.0,
+                   help="share of captions whose scene is rendered from a near miss "
+                        "(reward_models.shapes.near_miss: one requirement changed), as noisy web "
+                        "captions: the model learns the prompt's scene as the main mode among near "
+                        "misses, so it can draw a prompt but does not reliably")
     p.add_argument("--sigma-sampling", choices=["logit_normal", "uniform"], default="logit_normal")
     p.add_argument("--logit-mean", type=float, default=0.0)
     p.add_argument("--logit-std", type=float, default=1.0)
@@ -141,6 +146,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.minutes <= 0:
         raise ValueError(f"--minutes must be > 0 (got {args.minutes})")
+    if not 0.0 <= args.caption_noise < 1.0:
+        raise ValueError(f"--caption-noise must be in [0, 1) (got {args.caption_noise})")
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     rng = np.random.default_rng(args.seed)
@@ -209,7 +216,9 @@ def main(argv: list[str] | None = None) -> None:
             group["lr"] = lr
 
         captions = [random_caption(rng, weights) for _ in range(args.batch_size)]
-        x0 = torch.from_numpy(np.stack([render(c["metadata"], arch.sample_size, rng) for c in captions])) * 2 - 1
+        noisy = rng.random(args.batch_size) < args.caption_noise
+        scenes = [near_miss(c["metadata"], rng) if n else c["metadata"] for c, n in zip(captions, noisy)]
+        x0 = torch.from_numpy(np.stack([render(m, arch.sample_size, rng) for m in scenes])) * 2 - 1
         drop = rng.random(args.batch_size) < args.caption_dropout
         prompts = ["" if d else c["prompt"] for c, d in zip(captions, drop)]
         noise = torch.randn_like(x0)

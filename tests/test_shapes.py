@@ -70,7 +70,10 @@ def test_split_is_deterministic_disjoint_and_covers_every_family():
     heldout_prompts = {item["prompt"] for item in heldout}
     assert not train_prompts & heldout_prompts
     assert train_prompts | heldout_prompts == {item["prompt"] for item in everything}
-    assert len(everything) == 240 and len(heldout) == 60
+    assert len(everything) == 750 and len(heldout) == 197
+    held = {f: sum(i["metadata"]["family"] == f for i in heldout) for f in FAMILIES}
+    assert held == {"single_object": 3, "two_object": 8, "counting": 8, "colors": 8, "position": 20,
+                    "color_attr": 150}
     assert [i["prompt"] for i in prompt_split("heldout")] == [i["prompt"] for i in heldout]
     for family in FAMILIES:
         assert any(i["metadata"]["family"] == family for i in train)
@@ -191,3 +194,42 @@ def test_reward_scores_from_metadata_or_plain_prompts_and_is_registered():
     assert exact(video, all_prompts[:2], None).tolist() == [1.0, 1.0]
     with pytest.raises(ValueError, match="score"):
         GenevalToyReward(score="binary")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_near_miss_changes_one_requirement_and_never_passes(family):
+    """Caption noise: a near miss differs from its prompt in exactly one object field or the
+    relation, its render passes the near miss and fails the prompt."""
+    rng = np.random.default_rng(7)
+    kinds = set()
+    for meta, _ in _draws(family, 4):
+        wrong = shapes.near_miss(meta, rng)
+        assert wrong["family"] == meta["family"] and meta == parse_prompt(shapes.make_prompt(meta))
+        changed = [(i, key) for i, (a, b) in enumerate(zip(meta["objects"], wrong["objects"]))
+                   for key in a if a[key] != b[key]]
+        relation_changed = wrong["relation"] != meta["relation"]
+        kinds.add("relation" if relation_changed else "+".join(sorted({k for _, k in changed})))
+        assert relation_changed + len(changed) in (1, 2)   # a colour swap changes two colours
+        if len(changed) == 2:
+            assert {k for _, k in changed} == {"color"} and len(meta["objects"]) == 2
+        image = render(wrong, 24, rng)
+        assert shapes.score_image(image, wrong).exact == 1.0
+        assert shapes.score_image(image, meta).exact == 0.0
+    expected = {"single_object": {"shape"}, "two_object": {"shape"}, "counting": {"count", "shape"},
+                "colors": {"color", "shape"}, "position": {"relation", "shape"},
+                "color_attr": {"color", "shape"}}[family]
+    assert kinds == expected
+
+
+def test_grid_layout_puts_two_objects_where_the_prompt_says():
+    rng = np.random.default_rng(11)
+    for prompt, axis, first_lower in [("a circle and a square", 0, True),
+                                      ("a red wedge and a blue rectangle", 0, True),
+                                      ("a circle right of a square", 0, False),
+                                      ("a triangle above a square", 1, True),
+                                      ("a triangle below a wedge", 1, False)]:
+        meta = parse_prompt(prompt)
+        for _ in range(20):
+            first, second = shapes.place_scene(meta, 24, rng)
+            a, b = (first.cx, second.cx) if axis == 0 else (first.cy, second.cy)
+            assert (a < 12 < b) if first_lower else (b < 12 < a), prompt
