@@ -28,6 +28,9 @@ import yaml
 from flowgrpo.plans import PlanConfig
 
 
+LR_DECAYS = ("constant", "linear", "cosine")
+
+
 class ConfigError(ValueError):
     """A configuration value is wrong; the message names the field and the fix."""
 
@@ -145,6 +148,13 @@ class TrainingConfig:
     lr_warmup_iterations: int = _help(
         "Linear lr warmup over this many iterations (0: constant lr). Fresh Adam moments make the "
         "first steps sign-like and lr-sized on every weight.", default=0)
+    lr_decay: str = _help(
+        "After warmup: 'constant', or 'linear' / 'cosine' decay from lr to lr * lr_final_ratio at "
+        "run.max_iterations. Adam's steps are lr-sized whatever the gradient's signal, so once the "
+        "easy gains are made a constant lr random-walks the weights away from what they learned "
+        "(the toy default peaks and then declines at a constant 2e-4).", default="constant")
+    lr_final_ratio: float = _help("The decayed lr at run.max_iterations as a share of lr, in [0, 1].",
+                                  default=0.1)
     weight_decay: float = _help("AdamW weight decay.", default=1e-4)
     adam_betas: tuple[float, float] = _help("AdamW betas.", default=(0.9, 0.999))
     adam_eps: float = _help("AdamW epsilon.", default=1e-8)
@@ -450,6 +460,10 @@ def validate(config: TrainConfig, num_processes: int = 1) -> None:
                           "group_size >= 2 (GRPO needs several samples per prompt)")
     _positive(t.lr, "training.lr")
     _positive(t.lr_warmup_iterations, "training.lr_warmup_iterations", allow_zero=True)
+    _choice(t.lr_decay, LR_DECAYS, "training.lr_decay")
+    if not 0.0 <= t.lr_final_ratio <= 1.0:
+        raise ConfigError(f"training.lr_final_ratio must be in [0, 1] (got {t.lr_final_ratio}); "
+                          "it is the final lr as a share of training.lr")
     _positive(t.clip_low, "training.clip_low")
     if t.clip_low > 1:
         raise ConfigError(f"training.clip_low must be <= 1 so that 1 - clip_low >= 0 "

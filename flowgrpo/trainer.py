@@ -33,6 +33,20 @@ from flowgrpo.rollout import (RolloutBatch, RolloutSettings, replay_logp, rollou
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def scheduled_lr(lr: float, iteration: int, warmup: int, decay: str, final_ratio: float,
+                 total: int) -> float:
+    """The lr of 0-based ``iteration``: linear warmup over ``warmup`` iterations to ``lr``, then
+    ``decay``: "constant", or "linear" / "cosine" from ``lr`` after warmup to ``lr * final_ratio``
+    at iteration ``total`` (held there after it)."""
+    if warmup and iteration < warmup:
+        return lr * (iteration + 1) / warmup
+    if decay == "constant":
+        return lr
+    progress = min(1.0, (iteration - warmup) / max(total - warmup, 1))
+    shape = 1.0 - progress if decay == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+    return lr * (final_ratio + (1.0 - final_ratio) * shape)
+
+
 def _mean(values: list[float]) -> float:
     return float(sum(values) / len(values)) if values else float("nan")
 
@@ -440,12 +454,11 @@ class Trainer:
         return float(norm)
 
     def learning_rate(self, iteration: int) -> float:
-        """The lr of ``iteration`` (0-based): linear warmup to ``training.lr``, then constant. A
-        function of the iteration alone, so a resumed run uses the same lrs."""
+        """The lr of ``iteration`` (0-based): ``scheduled_lr`` of the config. A function of the
+        iteration alone, so a resumed run uses the same lrs."""
         t = self.config.training
-        if t.lr_warmup_iterations and iteration < t.lr_warmup_iterations:
-            return t.lr * (iteration + 1) / t.lr_warmup_iterations
-        return t.lr
+        return scheduled_lr(t.lr, iteration, t.lr_warmup_iterations, t.lr_decay, t.lr_final_ratio,
+                            self.config.run.max_iterations)
 
     def run_iteration(self, iteration: int) -> dict[str, float]:
         """rollout (+ threaded rewards) -> advantages -> update. Returns the iteration's metrics."""
