@@ -234,20 +234,16 @@ def near_miss(metadata: dict, rng: np.random.Generator) -> dict:
     out = {"family": family, "objects": [dict(o) for o in metadata["objects"]],
            "relation": metadata.get("relation")}
     objects = out["objects"]
-    if kind == "shape":
+    if kind in ("shape", "color"):
+        # another value than any object of the prompt has, so the near miss is never a reordering
         target = objects[int(rng.integers(len(objects)))]
-        taken = {o["shape"] for o in objects}
-        choices = [s for s in SHAPES if s not in taken]
-        target["shape"] = choices[int(rng.integers(len(choices)))]
+        taken = {o[kind] for o in objects}
+        choices = [v for v in (SHAPES if kind == "shape" else COLORS) if v not in taken]
+        target[kind] = choices[int(rng.integers(len(choices)))]
     elif kind == "count":
         n = int(objects[0]["count"])
         choices = [c for c in (n - 1, n + 1) if 1 <= c <= 4]
         objects[0]["count"] = choices[int(rng.integers(len(choices)))]
-    elif kind == "color":
-        target = objects[int(rng.integers(len(objects)))]
-        taken = {o["color"] for o in objects}
-        choices = [c for c in COLORS if c not in taken]
-        target["color"] = choices[int(rng.integers(len(choices)))]
     elif kind == "swap_colors":
         objects[0]["color"], objects[1]["color"] = objects[1]["color"], objects[0]["color"]
     else:

@@ -4,7 +4,8 @@
 
 Rectified-flow loss: x_sigma = (1 - sigma) x0 + sigma noise, target v = noise - x0, sigma drawn
 logit-normal (or uniform); captions from ``reward_models.shapes.random_caption`` with 10% dropped
-to the empty prompt (so CFG works); AdamW with linear warmup and a cosine decay over the time
+to the empty prompt (so CFG works) and ``--caption-noise`` of them paired with a near-miss scene
+(``reward_models.shapes.near_miss``), so the model can draw a prompt but does not reliably; AdamW with linear warmup and a cosine decay over the time
 budget (or over ``--max-steps``); an EMA of the weights. Every ``--eval-every-minutes`` the EMA
 model samples held-out prompts with the Euler ODE sampler and the verifier scores them (exact
 accuracy per family), printed and appended to ``--log`` (JSONL); the EMA model is checkpointed to
