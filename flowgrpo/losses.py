@@ -1,7 +1,7 @@
 """Policy losses: the clipped surrogate for flow transitions and for language-model tokens.
 
 Pure functions on tensors; the maths is done in float32 (or float64 when given float64) whatever
-the input dtype. Notation follows REFERENCE.md: sigma the current noise level, sigma_next the next
+the input dtype. Notation: sigma the current noise level, sigma_next the next
 (smaller) one, D = sigma - sigma_next > 0, ``mean_d`` the mean over all non-batch dimensions, a
 transition x -> x' is Gaussian N(mean, std^2 I) with ``std`` of shape (B,), and ``logp`` is its
 log-density averaged over dims (``reduce="mean"`` in ``flowgrpo.sde``).
@@ -274,7 +274,7 @@ def rectification_weights(sigma: Tensor, sigma_next: Tensor, std: Tensor, *, nor
     and kappa = S / |c_v| equalises the gradient scale across timesteps. s is recovered from the
     total std as s = S / sqrt(D). The same formula holds for the DanceGRPO SDE (s = eta), not
     for CPS. With ``normalize`` (default) kappa is divided by its mean over the given batch
-    (REFERENCE.md: kappa / mean_batch(kappa)); as for ``guard_step_weights``, that batch must
+    (Flash-GRPO: kappa / mean_batch(kappa)); as for ``guard_step_weights``, that batch must
     span the iteration's trained timesteps, not one micro-batch of a single timestep.
 
     Args:

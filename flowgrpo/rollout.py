@@ -1,4 +1,4 @@
-"""Group rollouts over shared initial noise -> RolloutBatch (DESIGN.md: flowgrpo/rollout.py).
+"""Group rollouts over shared or independent initial noise -> RolloutBatch.
 
 A rollout runs every sample of the local batch through its plan's schedule. Samples are processed in
 *replay batches*: rows that share a plan, ``rollout_batch_size`` at a time. Each transformer call on
@@ -59,7 +59,7 @@ class ReplayBatch:
 
 @dataclass
 class RolloutBatch:
-    """What one iteration's rollout keeps (DESIGN.md). B = local batch size."""
+    """What one iteration's rollout keeps. B = local batch size."""
 
     prompts: list[str]
     metadata: list[dict]

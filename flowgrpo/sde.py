@@ -1,6 +1,6 @@
 """Flow-matching transitions and sigma schedules: pure tensor maths, no model, no state.
 
-Convention (DESIGN.md): ``x_sigma = (1 - sigma) x0 + sigma noise``, velocity ``v ~ noise - x0``,
+Convention: ``x_sigma = (1 - sigma) x0 + sigma noise``, velocity ``v ~ noise - x0``,
 sigma runs from 1 (noise) to 0 (data), ``sigma_next < sigma`` and ``dt = sigma_next - sigma < 0``.
 Derived quantities used below: ``x0_hat = x - sigma v`` (predicted data) and
 ``eps_hat = x + (1 - sigma) v`` (predicted noise).

@@ -1,4 +1,4 @@
-"""The FlowModel interface every model family implements (see DESIGN.md).
+"""The FlowModel interface every model family implements.
 
 An adapter knows its family's quirks (text encoders, latent layout, timestep scale, shift,
 guidance) and nothing about sampling, rewards or losses. The trainer and the rollout only talk to
@@ -79,7 +79,7 @@ def guided_velocity(forward, latents: Tensor, timestep: Tensor, positive: dict[s
 class FlowModel(Protocol):
     """A text-to-image/video flow-matching model seen as a velocity field.
 
-    Convention (DESIGN.md): ``x_sigma = (1 - sigma) x0 + sigma noise``; velocity ``v ~ noise - x0``;
+    Convention: ``x_sigma = (1 - sigma) x0 + sigma noise``; velocity ``v ~ noise - x0``;
     sigma runs from 1 (noise) to 0 (data).
     """
 

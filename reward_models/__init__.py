@@ -1,5 +1,5 @@
 """Rewards: a registry of named rewards, ``load_reward`` to build one from a spec, ``MultiReward``
-to combine several, and a remote client/server (see DESIGN.md: reward_models/)."""
+to combine several, and a remote client/server."""
 from .base import REGISTRY, RewardModel, register_reward
 from .loading import ManagedReward, available_rewards, load_reward
 from .multi import MultiReward

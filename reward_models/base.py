@@ -1,4 +1,4 @@
-"""The reward interface and the name registry (DESIGN.md: reward_models/).
+"""The reward interface and the name registry.
 
 A reward maps media to one float per sample; NaN means "no score" and is masked downstream.
 Rewards that produce several named scores (e.g. the toy verifier's exact verdict and partial

@@ -254,7 +254,7 @@ def test_guard_step_weights_are_inverse_step_sizes_with_unit_mean():
 
 
 def _flow_sde_logp_grad_wrt_velocity(sigma: float, sigma_next: float, noise_level: float) -> tuple[float, float]:
-    """|d log pi / d v| per element at unit noise for the Flow-GRPO SDE (REFERENCE.md), by autograd;
+    """|d log pi / d v| per element at unit noise for the Flow-GRPO SDE, by autograd;
     also returns the transition's total std."""
     sigma_tilde = sigma_next if sigma == 1.0 else sigma
     s = noise_level * math.sqrt(sigma / (1 - sigma_tilde))

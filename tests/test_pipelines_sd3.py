@@ -74,7 +74,7 @@ def test_sigmas_are_the_sd3_schedule(sd3):
     from diffusers import FlowMatchEulerDiscreteScheduler
 
     expected = torch.tensor([1.0, 0.96013, 0.91335, 0.85769, 0.79037, 0.70728, 0.60215, 0.46488,
-                             0.27805, 0.00893, 0.0])  # REFERENCE.md, shift 3
+                             0.27805, 0.00893, 0.0])  # shift 3 (diffusers FlowMatchEulerDiscreteScheduler)
     sigmas = sd3.sigmas(10)
     assert sigmas.dtype == torch.float32 and sigmas.shape == (11,)
     torch.testing.assert_close(sigmas, expected, atol=1e-5, rtol=0)

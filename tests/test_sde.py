@@ -41,7 +41,7 @@ def _gaussian_velocity(x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
 
 
 def _reference_mean_std(kind, v, x, sigma, sigma_next, a):
-    """REFERENCE.md's table in float64 (sigma, sigma_next, a: (B,) float64)."""
+    """The Flow-GRPO SDE's closed-form mean and std in float64 (sigma, sigma_next, a: (B,) float64)."""
     col = lambda t: t.reshape(-1, *([1] * (x.ndim - 1)))  # noqa: E731
     dt = sigma_next - sigma
     eps_hat = x + (1 - col(sigma)) * v
@@ -465,7 +465,7 @@ def test_dpmpp_first_order_step_is_euler_and_final_step_returns_x0_hat():
 
 
 def test_dpmpp_second_order_matches_reference_formula():
-    """REFERENCE.md's lambda / e^-h form, per-sample sigmas, in float64."""
+    """DPM-Solver++(2M)'s lambda / e^-h form, per-sample sigmas, in float64."""
     gen = torch.Generator().manual_seed(9)
     x, v = torch.randn(2, 5, generator=gen), torch.randn(2, 5, generator=gen)
     prev_x0 = torch.randn(2, 5, generator=gen)
