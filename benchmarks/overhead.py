@@ -38,7 +38,7 @@ update = ``time/update`` (replay forwards, backwards, optimiser steps). "total" 
 
 The overhead (instrumented wall - model) is broken down by timing, the same way, what the loop calls besides
 the model: "maths" = the SDE transitions / DPM steps / policy loss (``flowgrpo.rollout.transition``,
-``score_step``, ``dpmpp_2m_step``, ``flowgrpo.trainer.policy_loss``, ``guard_log_ratio``, ``flow_kl``) and their
+``score_step``, ``dpmpp_2m_step``, ``flowgrpo.flow_policy.policy_loss``, ``guard_log_ratio``, ``flow_kl``) and their
 backward, "noise" =
 per-sample seeded noise (``StepNoise``, ``initial_noise``), "cond" = ``encode_prompts`` minus the
 text encoders' own forward (the prompt-cache lookups), "adapt" = ``model.velocity`` minus the
@@ -242,7 +242,7 @@ def timed_functions(clock: ModelClock, device: torch.device) -> Iterator[None]:
     """Time the loop's non-model callees (see the module docstring) by patching the names the
     rollout and the trainer look up; restored on exit."""
     import flowgrpo.rollout as rollout_module
-    import flowgrpo.trainer as trainer_module
+    import flowgrpo.flow_policy as trainer_module
 
     targets = [(rollout_module, "transition", "maths"), (rollout_module, "score_step", "maths"),
                (rollout_module, "dpmpp_2m_step", "maths"),
@@ -270,9 +270,17 @@ class TimedTrainer(Trainer):
     def __init__(self, config, clock: ModelClock) -> None:
         self.clock = clock
         super().__init__(config)
+        self.instrument_model()
+        self.instrument_rewards()
+        replay_loss = self.policy.replay_loss
 
-    def load_policy(self) -> None:
-        super().load_policy()
+        def timed_replay_loss(*args, **kwargs):
+            loss, record = replay_loss(*args, **kwargs)
+            return _BackwardPassStart.apply(loss, self.clock, torch.device(self.model.device)), record
+
+        self.policy.replay_loss = timed_replay_loss
+
+    def instrument_model(self) -> None:
         device = torch.device(self.model.device)
         transformer = self.model.transformer
         starts: list[float] = []
@@ -296,12 +304,10 @@ class TimedTrainer(Trainer):
         self.model.velocity = _timed(self.model.velocity, self.clock, "velocity", device)
         self.model.encode_prompts = _timed(self.model.encode_prompts, self.clock, "cond", device)
 
-    def load_rewards(self):
-        reward = super().load_rewards()
+    def instrument_rewards(self) -> None:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        for managed in reward.rewards.values():
+        for managed in self.reward.rewards.values():
             managed.inner = TimedReward(managed.inner, self.clock, device)
-        return reward
 
     def rollout_and_score(self, iteration: int):
         self.clock.phase = "rollout"
@@ -311,11 +317,7 @@ class TimedTrainer(Trainer):
         self.clock.phase = "update"
         return super().update(batch, advantages, iteration)
 
-    def replay_loss(self, *args, **kwargs):
-        loss, record = super().replay_loss(*args, **kwargs)
-        return _BackwardPassStart.apply(loss, self.clock, torch.device(self.model.device)), record
-
-    def optimizer_step(self) -> float:
+    def optimizer_step(self) -> tuple[float, bool]:
         return _timed(super().optimizer_step, self.clock, "optim",
                       torch.device(self.model.device))()
 

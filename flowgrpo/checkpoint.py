@@ -5,6 +5,9 @@ Layout of ``checkpoints/<iteration>/``::
     pytorch_lora_weights.safetensors  LoRA in diffusers/PEFT format (pipe.load_lora_weights(dir))
     trainable.safetensors             every trainable tensor by parameter name (exact resume)
     optimizer.safetensors + .json     optimiser tensors / hyper-parameters and step counters
+    engine/                           under FSDP / DeepSpeed instead of the two above: the
+                                      engine's sharded model and optimiser state (its own format,
+                                      read back only by ``--resume`` of the same run)
     ema.safetensors                   EMA shadow weights (when enabled)
     rng.safetensors                   torch CPU RNG state
     trainer_state.json                iteration, EMA counters, config name
@@ -45,7 +48,7 @@ def _optimizer_from_flat(tensors: dict[str, torch.Tensor], meta: dict) -> dict:
 
 
 def save_checkpoint(directory: str | Path, *, iteration: int, trainable: dict[str, torch.Tensor],
-                    optimizer: torch.optim.Optimizer, ema_state: dict[str, torch.Tensor] | None,
+                    optimizer: torch.optim.Optimizer | None, ema_state: dict[str, torch.Tensor] | None,
                     ema_counters: dict[str, int] | None, save_lora=None, extra: dict | None = None
                     ) -> Path:
     """Write checkpoint ``directory`` atomically. ``save_lora(dir)`` writes the diffusers LoRA file."""
@@ -54,11 +57,12 @@ def save_checkpoint(directory: str | Path, *, iteration: int, trainable: dict[st
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    save_file({k: v.detach().contiguous().cpu() for k, v in trainable.items()},
-              str(tmp / "trainable.safetensors"))
-    opt_tensors, opt_meta = _optimizer_to_flat(optimizer)
-    save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
-    (tmp / "optimizer.json").write_text(json.dumps(opt_meta))
+    if optimizer is not None:   # None: a sharded engine saves both in its own format
+        save_file({k: v.detach().contiguous().cpu() for k, v in trainable.items()},
+                  str(tmp / "trainable.safetensors"))
+        opt_tensors, opt_meta = _optimizer_to_flat(optimizer)
+        save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
+        (tmp / "optimizer.json").write_text(json.dumps(opt_meta))
     if ema_state is not None:
         save_file({k: v.contiguous().cpu() for k, v in ema_state.items()}, str(tmp / "ema.safetensors"))
     save_file({"torch_cpu": torch.get_rng_state()}, str(tmp / "rng.safetensors"))
@@ -72,22 +76,27 @@ def save_checkpoint(directory: str | Path, *, iteration: int, trainable: dict[st
     return directory
 
 
-def load_checkpoint(directory: str | Path) -> dict:
-    """Read a checkpoint folder into plain tensors/dicts (no unpickling)."""
+def load_checkpoint(directory: str | Path, require_trainable: bool = True) -> dict:
+    """Read a checkpoint folder into plain tensors/dicts (no unpickling). ``require_trainable``
+    False: a sharded engine's checkpoint, whose weights and optimiser live in ``engine/``."""
     directory = Path(directory)
-    required = ["trainable.safetensors", "optimizer.safetensors", "optimizer.json",
-                "trainer_state.json"]
+    required = ["trainer_state.json", "rng.safetensors"]
+    if require_trainable:
+        required += ["trainable.safetensors", "optimizer.safetensors", "optimizer.json"]
     missing = [name for name in required if not (directory / name).is_file()]
     if missing:
         raise ValueError(f"checkpoint {directory} is incomplete: missing {', '.join(missing)}")
     out = {
-        "trainable": load_file(str(directory / "trainable.safetensors")),
-        "optimizer": _optimizer_from_flat(load_file(str(directory / "optimizer.safetensors")),
-                                          json.loads((directory / "optimizer.json").read_text())),
+        "trainable": None, "optimizer": None,
         "state": json.loads((directory / "trainer_state.json").read_text()),
         "rng": load_file(str(directory / "rng.safetensors"))["torch_cpu"],
         "ema": None,
     }
+    if (directory / "trainable.safetensors").is_file():
+        out["trainable"] = load_file(str(directory / "trainable.safetensors"))
+        out["optimizer"] = _optimizer_from_flat(
+            load_file(str(directory / "optimizer.safetensors")),
+            json.loads((directory / "optimizer.json").read_text()))
     if (directory / "ema.safetensors").is_file():
         out["ema"] = load_file(str(directory / "ema.safetensors"))
     return out

@@ -19,13 +19,10 @@ def _train(args: argparse.Namespace) -> int:
         return 0
     if not args.config:
         raise ValueError("flowgrpo train needs a CONFIG file, e.g. configs/toy_geneval.yaml")
+    from flowgrpo.trainer import Trainer
+
     config = load_config(args.config, args.overrides)
-    if config.policy == "llm":
-        from flowgrpo.llm import LLMTrainer as TrainerClass
-    else:
-        from flowgrpo.trainer import Trainer as TrainerClass
-    trainer = TrainerClass(config)
-    trainer.train(resume=args.resume)
+    Trainer(config).train(resume=args.resume)
     return 0
 
 

@@ -610,7 +610,7 @@ def format_table(statistics: dict) -> str:
 def run_eval(args: argparse.Namespace) -> int:
     import torch
 
-    from flowgrpo.rollout import seeded_generator
+    from flowgrpo.seeding import seeded_generator
 
     config = None
     if args.config:
@@ -750,46 +750,11 @@ def run_eval(args: argparse.Namespace) -> int:
 
 
 # ================================================================================ flowgrpo grid
-VERDICT_MARKS = ("PASS", "FAIL")   # plain ASCII: every font renders it
-
-
-def verdict_keys(columns: list[dict[str, Tensor]], weights: dict[str, float]) -> set[str]:
-    """The caption keys (the weighted rewards and "total") whose scores are verdicts: all 0 or 1
-    over every column's samples (``flowgrpo.passk.is_binary``), e.g. ``geneval_toy`` with
-    ``score: exact``."""
-    import torch
-
-    from flowgrpo.passk import is_binary
-
-    keys = [*weights, "total"]
-    return {key for key in keys if all(key in column for column in columns)
-            and is_binary(torch.cat([column[key].flatten().double() for column in columns]))}
-
-
-def cell_caption(scores: dict[str, Tensor], weights: dict[str, float], row: int,
-                 max_lines: int = 4, verdict: set[str] | frozenset[str] = frozenset()) -> str:
-    """'0.512 total' (when several rewards are weighted) then '0.700 name' per reward: the value
-    first, so a narrow cell cuts the name, not the number. A key in ``verdict`` (a 0/1 verifier,
-    see ``verdict_keys``) reads 'PASS 1.000 name' or 'FAIL 0.000 name' (PASS when >= 0.5)."""
-    keys = list(weights)
-
-    def line(key: str) -> str:
-        value = float(scores[key][row])
-        if key in verdict and not math.isnan(value):
-            return f"{VERDICT_MARKS[0] if value >= 0.5 else VERDICT_MARKS[1]} {value:.3f} {key}"
-        return f"{value:.3f} {key}"
-
-    lines = []
-    if len(keys) > 1:
-        lines.append(line("total"))
-    lines += [line(key) for key in keys]
-    return "\n".join(lines[:max_lines])
-
-
 def run_grid(args: argparse.Namespace) -> int:
     import torch
 
-    from flowgrpo.grids import page_paths, paginate, render_image_grid, render_video_grid, save_video
+    from flowgrpo.grids import (cell_caption, page_paths, paginate, render_image_grid,
+                                render_video_grid, save_video, verdict_keys)
 
     family, path = parse_model(args.model)
     records = resolve_prompts(args.prompts)

@@ -172,15 +172,25 @@ class TrainingConfig:
     adv_clip: float = _help("Clip advantages to [-adv_clip, adv_clip] (0 disables).", default=5.0)
     num_inner_epochs: int = _help("Passes over each rollout batch.", default=1)
     gradient_accumulation_steps: int = _help(
-        "Replay batches per optimiser step; 0 = all of an inner epoch (one step per epoch).", default=0)
+        "Replay batches per optimiser step on each process; 0 = all of an inner epoch (one step "
+        "per epoch, which makes the update the same on any number of processes).", default=0)
     ratio_norm: bool = _help("GRPO-Guard RatioNorm on the log-ratio.", default=False)
     dt_reweight: bool = _help("GRPO-Guard 1/dt gradient reweighting (normalised by batch mean).",
                               default=False)
     rectification: bool = _help("Flash-GRPO temporal rectification weights kappa(t).", default=False)
     skip_zero_std_groups: bool = _help(
         "Skip replay of batches whose advantages are all zero (DAPO-style filtering).", default=True)
-    mixed_precision: str = _help("accelerate mixed precision: no | fp16 | bf16 (SDE maths stay fp32).",
-                                 default="no")
+    mixed_precision: str = _help(
+        "accelerate mixed precision: no | fp16 | bf16 (SDE maths stay fp32). fp16 scales the loss "
+        "(accelerate's GradScaler): an overflowing step is skipped and the scale lowered.",
+        default="no")
+    max_consecutive_skipped_steps: int = _help(
+        "Abort the run after this many optimiser steps in a row were skipped for a non-finite "
+        "gradient (0 = never abort). A skipped step changes neither the weights nor the EMA.",
+        default=20)
+    ddp_find_unused_parameters: bool = _help(
+        "DDP's find_unused_parameters: set it when some trainable parameters get no gradient "
+        "in a forward (DDP then stops with 'Expected to have finished reduction').", default=False)
     ema: EmaConfig = _help("EMA of trainable weights.", default_factory=EmaConfig)
 
 
@@ -476,6 +486,12 @@ def validate(config: TrainConfig, num_processes: int = 1) -> None:
     _positive(t.num_inner_epochs, "training.num_inner_epochs")
     _positive(t.gradient_accumulation_steps, "training.gradient_accumulation_steps", allow_zero=True)
     _choice(t.mixed_precision, ("no", "fp16", "bf16"), "training.mixed_precision")
+    _positive(t.max_consecutive_skipped_steps, "training.max_consecutive_skipped_steps",
+              allow_zero=True)
+    if t.mixed_precision == "fp16" and not m.lora.enabled and m.dtype == "float16":
+        raise ConfigError("training.mixed_precision fp16 with full fine-tuning needs float32 "
+                          "master weights (the loss scaler cannot unscale fp16 gradients): set "
+                          "model.dtype: float32 (autocast still computes in fp16), or use LoRA")
     if t.ema.enabled and not 0 < t.ema.decay < 1:
         raise ConfigError(f"training.ema.decay must be in (0, 1) (got {t.ema.decay})")
     total = t.prompts_per_iteration * t.group_size

@@ -21,6 +21,8 @@ import torch
 from PIL import Image, ImageDraw, ImageFont
 from torch import Tensor
 
+from flowgrpo.passk import is_binary
+
 BACKGROUND = (255, 255, 255)
 TEXT_COLOR = (20, 20, 20)
 ELLIPSIS = "..."
@@ -368,3 +370,36 @@ def page_paths(path: str | os.PathLike, num_pages: int) -> list[Path]:
         return [path]
     width = max(3, len(str(num_pages)))
     return [path.with_name(f"{path.stem}_{i:0{width}d}{path.suffix}") for i in range(1, num_pages + 1)]
+
+
+# ----------------------------------------------------------------------------- cell captions
+VERDICT_MARKS = ("PASS", "FAIL")   # plain ASCII: every font renders it
+
+
+def verdict_keys(columns: list[dict[str, Tensor]], weights: dict[str, float]) -> set[str]:
+    """The caption keys (the weighted rewards and "total") whose scores are verdicts: all 0 or 1
+    over every column's samples (``flowgrpo.passk.is_binary``), e.g. ``geneval_toy`` with
+    ``score: exact``."""
+    keys = [*weights, "total"]
+    return {key for key in keys if all(key in column for column in columns)
+            and is_binary(torch.cat([column[key].flatten().double() for column in columns]))}
+
+
+def cell_caption(scores: dict[str, Tensor], weights: dict[str, float], row: int,
+                 max_lines: int = 4, verdict: set[str] | frozenset[str] = frozenset()) -> str:
+    """'0.512 total' (when several rewards are weighted) then '0.700 name' per reward: the value
+    first, so a narrow cell cuts the name, not the number. A key in ``verdict`` (a 0/1 verifier,
+    see ``verdict_keys``) reads 'PASS 1.000 name' or 'FAIL 0.000 name' (PASS when >= 0.5)."""
+    keys = list(weights)
+
+    def line(key: str) -> str:
+        value = float(scores[key][row])
+        if key in verdict and not math.isnan(value):
+            return f"{VERDICT_MARKS[0] if value >= 0.5 else VERDICT_MARKS[1]} {value:.3f} {key}"
+        return f"{value:.3f} {key}"
+
+    lines = []
+    if len(keys) > 1:
+        lines.append(line("total"))
+    lines += [line(key) for key in keys]
+    return "\n".join(lines[:max_lines])

@@ -1,9 +1,9 @@
 """Causal language models on the same GRPO core: the completion's tokens are the steps.
 
-``LLMTrainer`` is the ``Trainer`` with the policy-specific methods swapped: rollouts come from
-``generate`` (each prompt ``group_size`` times), rewards score completion strings, and the loss is
-``losses.token_policy_loss`` over completion tokens. Advantages (group / batch / none, GDPO),
-the update loop, EMA, checkpoints and resume are the base trainer's.
+``LMPolicy`` is the policy half of ``flowgrpo.trainer.Trainer`` for ``policy: llm``: rollouts
+come from ``generate`` (each prompt ``group_size`` times), rewards score completion strings, and
+the loss is ``losses.token_policy_loss`` over completion tokens. Advantages (group / batch / none,
+GDPO), the update loop, EMA, checkpoints and resume are the trainer's.
 
 Variants, all by config (see ``configs/llm_*.yaml``):
 
@@ -27,7 +27,7 @@ import inspect
 import json
 import math
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -36,9 +36,9 @@ from torch import Tensor, nn
 
 from flowgrpo.config import ConfigError, TrainConfig
 from flowgrpo.losses import token_policy_loss
+from flowgrpo.policy import DTYPES, float32_trainable, frozen_reference
 from flowgrpo.prompts import sample_groups
-from flowgrpo.rollout import seeded_generator
-from flowgrpo.trainer import DTYPES, Trainer
+from flowgrpo.seeding import seeded_generator
 
 # Attention projections of common causal LMs (Llama/Qwen/Mistral, GPT-2, GPT-NeoX, MPT).
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "c_attn", "query_key_value", "Wqkv")
@@ -52,7 +52,7 @@ OVERLONG_KEY = "overlong"
 @dataclass
 class LanguagePolicy:
     """The causal LM and its tokenizer. ``transformer`` is named as in ``FlowModel``: it is what
-    LoRA wraps, what trains, and what ``Trainer.reference_policy`` swaps for a frozen copy."""
+    LoRA wraps, what trains, and what ``LMPolicy.reference_policy`` swaps for a frozen copy."""
 
     transformer: nn.Module
     tokenizer: object
@@ -415,7 +415,7 @@ def zero_variance_groups(values: dict[str, Tensor], group_ids: Tensor) -> set[in
 def validate_llm_config(config: TrainConfig) -> None:
     """LLM-specific checks that need no model (the base ``validate`` checks the rest)."""
     if config.policy != "llm":
-        raise ConfigError(f"policy must be 'llm' for LLMTrainer (got {config.policy!r})")
+        raise ConfigError(f"policy must be 'llm' for LMPolicy (got {config.policy!r})")
     llm = config.llm
     if not 0 <= llm.overlong_buffer <= llm.max_new_tokens:
         raise ConfigError(f"llm.overlong_buffer must be in [0, llm.max_new_tokens="
@@ -439,36 +439,23 @@ def validate_llm_config(config: TrainConfig) -> None:
                           f"{config.training.clip_low})")
 
 
-class LLMTrainer(Trainer):
-    """GRPO and its variants for causal LMs (``policy: llm``) on the base trainer's loop."""
+class LMPolicy:
+    """GRPO and its variants for causal LMs (``policy: llm``): the policy half of ``Trainer``."""
 
-    def __init__(self, config: TrainConfig, accelerator=None, model: LanguagePolicy | None = None
-                 ) -> None:
+    def __init__(self, config: TrainConfig, accelerator, train_records: list[dict],
+                 model: LanguagePolicy | None = None) -> None:
         validate_llm_config(config)
+        self.config = config
+        self.accelerator = accelerator
+        self.train_records = train_records   # DAPO's dynamic sampling draws fresh prompts
         self.tokens_per_replay = 1.0
-        super().__init__(config, accelerator=accelerator, model=model)
-
-    def load_rewards(self) -> TextRewards:
-        llm = self.config.llm
-        return TextRewards([{"name": c.name, "weight": c.weight, **c.options}
-                            for c in self.config.rewards.components],
-                           self.config.rewards.aggregation, overlong_buffer=llm.overlong_buffer,
-                           overlong_penalty=llm.overlong_penalty, max_new_tokens=llm.max_new_tokens)
-
-    def load_policy(self) -> None:
-        """``AutoModelForCausalLM`` + ``AutoTokenizer`` from ``model.path`` (hub id or folder),
-        dropout off, LoRA on the attention projections unless ``model.lora`` says otherwise.
-        The module runs in eval mode, or train mode when gradient checkpointing needs it (dropout
-        is off either way, so rollouts and replays compute the same function)."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        m = self.config.model
-        if self.model is None:
-            options = dict(m.options)
-            tokenizer = AutoTokenizer.from_pretrained(
-                m.path, **{k: v for k, v in options.items() if k != "attn_implementation"})
-            module = AutoModelForCausalLM.from_pretrained(m.path, dtype=DTYPES[m.dtype], **options)
-            self.model = LanguagePolicy(module.to(self.accelerator.device), tokenizer)
+        llm = config.llm
+        self.reward = TextRewards([{"name": c.name, "weight": c.weight, **c.options}
+                                   for c in config.rewards.components],
+                                  config.rewards.aggregation, overlong_buffer=llm.overlong_buffer,
+                                  overlong_penalty=llm.overlong_penalty,
+                                  max_new_tokens=llm.max_new_tokens)
+        self.model = model if model is not None else self._load(config, accelerator.device)
         tokenizer = self.model.tokenizer
         tokenizer.padding_side = "left"
         if tokenizer.pad_token is None:
@@ -476,17 +463,36 @@ class LLMTrainer(Trainer):
         self.module = self.model.transformer
         eos_token_ids(self.module, tokenizer)   # fail now, not at the first rollout, without EOS
         disable_dropout(self.module)
-        self.setup_trainable(default_lora_targets(self.module))
-        self.module.train(m.gradient_checkpointing)
+        self.trainable = self._setup_trainable(default_lora_targets(self.module))
+        self.reference_module = frozen_reference(config, self.module)
+        # Eval mode, or train mode when gradient checkpointing needs it (dropout is off either
+        # way, so rollouts and replays compute the same function).
+        self.module.train(config.model.gradient_checkpointing)
+        self.engine_module: nn.Module = self.module
 
-    def setup_trainable(self, default_targets: list[str]) -> None:
-        """Full fine-tuning as in the base; LoRA through ``peft.get_peft_model`` (a ``PeftModel``
-        wrapping the LM), because transformers' own ``add_adapter`` needs a newer PEFT than the
-        one pinned here. Sets ``self.module`` and ``self.model.transformer`` to the wrapped LM."""
+    @staticmethod
+    def _load(config: TrainConfig, device) -> LanguagePolicy:
+        """``AutoModelForCausalLM`` + ``AutoTokenizer`` from ``model.path`` (hub id or folder)."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        m = config.model
+        options = dict(m.options)
+        tokenizer = AutoTokenizer.from_pretrained(
+            m.path, **{k: v for k, v in options.items() if k != "attn_implementation"})
+        module = AutoModelForCausalLM.from_pretrained(m.path, dtype=DTYPES[m.dtype], **options)
+        return LanguagePolicy(module.to(device), tokenizer)
+
+    def _setup_trainable(self, default_targets: list[str]) -> dict[str, nn.Parameter]:
+        """Full fine-tuning, or LoRA on the attention projections through
+        ``peft.get_peft_model`` (a ``PeftModel`` wrapping the LM, because transformers' own
+        ``add_adapter`` needs a newer PEFT than the one pinned here). Sets ``self.module`` and
+        ``self.model.transformer`` to the wrapped LM."""
         m = self.config.model
         if not m.lora.enabled:
-            super().setup_trainable(default_targets)
-            return
+            self.module.requires_grad_(True)
+            if m.gradient_checkpointing:
+                self.module.gradient_checkpointing_enable()
+            return {n: p for n, p in self.module.named_parameters() if p.requires_grad}
         from peft import LoraConfig, get_peft_model
 
         self.module.requires_grad_(False)
@@ -498,20 +504,24 @@ class LLMTrainer(Trainer):
             target_modules=m.lora.target_modules or default_targets,
             init_lora_weights="gaussian" if m.lora.init == "gaussian" else True))
         self.model.transformer = self.module
-        for param in self.module.parameters():
-            if param.requires_grad:
-                param.data = param.data.float()   # LoRA weights train in float32
-        self.trainable = {n: p for n, p in self.module.named_parameters() if p.requires_grad}
-        if not self.trainable:
-            raise ValueError("model.lora.target_modules matched no module: nothing to train")
+        return float32_trainable(self.module)
+
+    def bind(self, engine_module: nn.Module, sharded: bool) -> None:
+        # Generation runs on the unwrapped module (``check_engine`` refuses sharded LMs); the
+        # replay's forward runs through the engine.
+        self.engine_module = engine_module
 
     @contextmanager
     def reference_policy(self):
         """The KL reference: the LM with its LoRA adapter disabled, or the frozen copy kept for
-        full fine-tuning (the base's)."""
+        full fine-tuning."""
         if self.reference_module is not None:
-            with super().reference_policy():
+            live = self.model.transformer
+            self.model.transformer = self.reference_module
+            try:
                 yield
+            finally:
+                self.model.transformer = live
         else:
             with self.module.disable_adapter():
                 yield
@@ -530,12 +540,13 @@ class LLMTrainer(Trainer):
                 batch_size=self.config.sampling.rollout_batch_size, temperature=llm.temperature,
                 top_p=llm.top_p, generators=generators)
 
-    def rollout_and_score(self, iteration: int) -> tuple[TokenRolloutBatch, dict[str, Tensor], dict]:
+    def rollout(self, records: list[dict], group_ids: Tensor, sample_ids: Tensor, iteration: int
+                ) -> tuple[TokenRolloutBatch, dict[str, Tensor], dict]:
         """Sample ``group_size`` completions per prompt, score them, and recompute ``logp_old``
         on the replay batches. With ``llm.dynamic_sampling`` (DAPO), groups whose rewards have
         no variance get a fresh prompt and are resampled, up to ``llm.max_resample_rounds``."""
         cfg, llm, acc = self.config, self.config.llm, self.accelerator
-        records, group_ids, sample_ids = self.local_batch(iteration)
+        records = list(records)
         batch = len(records)
         prompt_ids: list[list[int]] = [[] for _ in range(batch)]
         completion_ids: list[list[int]] = [[] for _ in range(batch)]
@@ -633,7 +644,7 @@ class LLMTrainer(Trainer):
     def step_weights(self, replays: list) -> list[Tensor]:
         """Ones (every completion token counts alike). Also fixes the iteration's DAPO token
         normaliser: the mean number of loss tokens per replay batch over all processes, which
-        with the base loop's division by the batches per step gives sum(l m) / (global tokens)."""
+        with the loop's division by the batches per step gives sum(l m) / (global tokens)."""
         acc = self.accelerator
         tokens = torch.tensor([sum(float(r.completion_mask.sum()) for r in replays),
                                float(len(replays))], device=acc.device)
@@ -643,12 +654,13 @@ class LLMTrainer(Trainer):
         return [torch.ones(len(r.rows), device=r.logp_old.device) for r in replays]
 
     def replay_loss(self, batch: TokenRolloutBatch, replay: TokenReplayBatch, advantages: Tensor,
-                    settings, clip_high: float, weights: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+                    iteration: int, clip_high: float, weights: Tensor
+                    ) -> tuple[Tensor, dict[str, Tensor]]:
         """token_policy_loss of one replay batch (+ k3 KL to the reference when kl_beta > 0).
         Returns the loss and detached stats, including ``ratio_max_dev`` (max |ratio - 1| over
-        the generated tokens)."""
+        the generated tokens). ``weights`` scales every row's loss (0 for a padding pass)."""
         t, llm = self.config.training, self.config.llm
-        logp = token_logp(self.model.transformer, replay.input_ids, replay.attention_mask,
+        logp = token_logp(self.engine_module, replay.input_ids, replay.attention_mask,
                           replay.prompt_length, llm.temperature)
         logp_ref = None
         if t.kl_beta > 0:
@@ -672,27 +684,26 @@ class LLMTrainer(Trainer):
         return {key: values.float().mean() for key, values in rows.items()}
 
     # ------------------------------------------------------------------ evaluation
-    @torch.no_grad()
-    def evaluate(self, iteration: int, save_images: bool = True) -> dict[str, float]:
+    def evaluate(self, records: list[dict], iteration: int, out_dir: Path | None
+                 ) -> dict[str, float]:
         """Held-out prompts, greedy (or ``llm.eval_temperature``): the mean of every reward
         component, ``eval/accuracy`` (exact match against ``metadata["answer"]``, when the prompts
         have answers), the mean completion length and truncated fraction. Writes the completions
-        to ``samples/eval_<iteration>.jsonl`` when ``save_images``."""
+        to ``out_dir/eval_<iteration>.jsonl`` when given."""
         from reward_models.text import ExactMatchReward
 
-        if not self.eval_records:
+        if not records:
             return {}
         llm = self.config.llm
         seeds = self.config.prompts.eval_seeds if llm.eval_temperature > 0 else 1
-        records = [r for r in self.eval_records for _ in range(seeds)]
+        records = [r for r in records for _ in range(seeds)]
         prompts = [r["prompt"] for r in records]
         metadata = [r["metadata"] for r in records]
         generators = None
         if llm.eval_temperature > 0:
             generators = [seeded_generator(self.config.run.seed, "eval", i)
                           for i in range(len(records))]
-        swap = self.ema.swapped_in() if self.ema is not None else nullcontext()
-        with swap, self.accelerator.autocast():
+        with self.accelerator.autocast():
             _, completion_ids, truncated = generate_completions(
                 self.module, self.model.tokenizer, prompts, max_new_tokens=llm.max_new_tokens,
                 batch_size=max(self.config.sampling.rollout_batch_size, 64),
@@ -710,20 +721,17 @@ class LLMTrainer(Trainer):
             metrics["eval/accuracy"] = float(correct[~correct.isnan()].mean())
         metrics["eval/completion_length"] = float(lengths.float().mean())
         metrics["eval/truncated_fraction"] = float(torch.tensor(truncated).float().mean())
-        if save_images:
-            out = self.run_dir / "samples"
-            out.mkdir(parents=True, exist_ok=True)
-            with open(out / f"eval_{iteration:05d}.jsonl", "w") as f:
+        if out_dir is not None:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            with open(out_dir / f"eval_{iteration:05d}.jsonl", "w") as f:
                 for i in range(min(len(records), 64)):
                     f.write(json.dumps({"prompt": prompts[i], "completion": completions[i],
                                         "total": float(scores["total"][i])}) + "\n")
         return metrics
 
     def greedy_completions(self, records: list[dict]) -> dict[str, list]:
-        """Greedy completions of ``records``' prompts (EMA weights when EMA is on):
-        {"completions": [str], "lengths": [tokens]}."""
-        swap = self.ema.swapped_in() if self.ema is not None else nullcontext()
-        with swap, self.accelerator.autocast():
+        """Greedy completions of ``records``' prompts: {"completions": [str], "lengths": [n]}."""
+        with self.accelerator.autocast():
             _, completion_ids, _ = generate_completions(
                 self.module, self.model.tokenizer, [r["prompt"] for r in records],
                 max_new_tokens=self.config.llm.max_new_tokens,
@@ -732,44 +740,40 @@ class LLMTrainer(Trainer):
                                 for c in completion_ids],
                 "lengths": [len(c) for c in completion_ids]}
 
-    @torch.no_grad()
-    def save_grid_samples(self, tag: str) -> None:
+    def save_grid_samples(self, records: list[dict], run_dir: Path, tag: str) -> None:
         """Greedy completions of the comparison prompts, saved as ``grid_<tag>.json``."""
-        records = self.grid_records()
         if records:
-            (self.run_dir / f"grid_{tag}.json").write_text(
-                json.dumps(self.greedy_completions(records)))
+            (run_dir / f"grid_{tag}.json").write_text(json.dumps(self.greedy_completions(records)))
 
-    @torch.no_grad()
-    def write_comparison_grid(self) -> Path | None:
-        """runs/<name>/comparison.md: held-out prompts, the base and the final model's greedy
+    def write_comparison_grid(self, records: list[dict], run_dir: Path, final_label: str
+                              ) -> Path | None:
+        """``run_dir/comparison.md``: held-out prompts, the base and the final model's greedy
         completions and their total rewards, one table row per prompt."""
-        base_path = self.run_dir / "grid_base.json"
-        records = self.grid_records()
+        base_path = run_dir / "grid_base.json"
         if not base_path.is_file() or not records:
             return None
-        self.save_grid_samples("final")
+        self.save_grid_samples(records, run_dir, "final")
         prompts = [r["prompt"] for r in records]
         metadata = [r["metadata"] for r in records]
         saved = [json.loads(base_path.read_text()),
-                 json.loads((self.run_dir / "grid_final.json").read_text())]
+                 json.loads((run_dir / "grid_final.json").read_text())]
         columns = [s["completions"] for s in saved]
         scores = [self.reward(s["completions"], prompts, metadata, torch.tensor(s["lengths"]))["total"]
                   for s in saved]
-        lines = [f"| prompt | base | iteration {self.config.run.max_iterations} |", "|---|---|---|"]
+        lines = [f"| prompt | base | {final_label} |", "|---|---|---|"]
         for row, prompt in enumerate(prompts):
             cells = [f"`{columns[c][row]}` ({float(scores[c][row]):.2f})" for c in range(2)]
             lines.append(f"| `{prompt}` | {cells[0]} | {cells[1]} |")
-        path = self.run_dir / "comparison.md"
+        path = run_dir / "comparison.md"
         path.write_text("\n".join(lines) + "\n")
         return path
 
-    # ------------------------------------------------------------------ checkpoints
-    def save_policy_weights(self, folder: str) -> None:
+    # ------------------------------------------------------------------ weights
+    def save_weights(self, folder: str, state_dict: dict[str, Tensor] | None = None) -> None:
         """``save_pretrained`` of the policy and its tokenizer: with LoRA the PEFT adapter
         (``PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), folder)`` or
         ``model.load_adapter(folder)``), else the full model (``from_pretrained(folder)``)."""
-        self.module.save_pretrained(folder)
+        self.module.save_pretrained(folder, state_dict=state_dict)
         self.model.tokenizer.save_pretrained(folder)
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from flowgrpo.rollout import seeded_generator
+from flowgrpo.seeding import seeded_generator
 
 
 def load_prompts(source: str) -> list[dict]:

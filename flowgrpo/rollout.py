@@ -12,7 +12,6 @@ the same rollout on one process or many, and a resumed run repeats the uninterru
 """
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -20,18 +19,9 @@ import torch
 from torch import Tensor
 
 from flowgrpo.plans import StepPlan
+from flowgrpo.seeding import seeded_generator
 from flowgrpo.sde import StepGaussian, dpmpp_2m_step, euler_step, score_step, transition
 from pipelines.base import Conditioning, FlowModel
-
-
-def derive_seed(*parts: int | str) -> int:
-    """A 63-bit seed from a tuple of ints/strings (stable across processes and Python runs)."""
-    digest = hashlib.blake2b("/".join(str(p) for p in parts).encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
-
-
-def seeded_generator(*parts: int | str) -> torch.Generator:
-    return torch.Generator("cpu").manual_seed(derive_seed(*parts))
 
 
 @dataclass

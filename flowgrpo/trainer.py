@@ -1,36 +1,37 @@
-"""The training loop: rollout -> reward -> gather -> advantages -> clipped-surrogate updates.
+"""The training loop: prompts -> rollouts (via the policy) -> gather -> advantages -> clipped updates.
 
-One loop for every FlowModel and every StepPlan. It orchestrates; the maths lives in
-``sde.py`` (transitions), ``plans.py`` (which steps), ``advantages.py`` and ``losses.py``.
-Follow one iteration in ``Trainer.run_iteration``.
+One loop for every policy (``flowgrpo/policy.py``: a flow-matching generator or a causal LM) and
+every engine accelerate launches (one process, DDP, FSDP, DeepSpeed). It orchestrates; the maths
+lives in ``advantages.py`` and ``losses.py`` and the model-specific work in the policy. Follow one
+iteration in ``Trainer.run_iteration``.
+
+Engines. The policy's module goes through ``accelerator.prepare`` with the optimiser: DDP buckets
+the gradient all-reduce, FSDP / DeepSpeed shard what they shard, fp16 gets accelerate's GradScaler.
+Gradient accumulation: every optimiser step takes the same number of backward passes on every
+process (a process short of replay batches runs zero-weighted ones), all but the last without
+gradient sync (``accelerator.no_sync``). Sampling stays a pure function of (seed, iteration,
+sample id), so a run gives the same batch on 1 or N processes and a resumed run repeats itself.
 """
 from __future__ import annotations
 
-import copy
 import json
 import math
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
 
 from flowgrpo import checkpoint as ckpt
 from flowgrpo.advantages import decoupled_advantages, group_advantages
-from flowgrpo.config import TrainConfig, dump_config, to_dict, validate
+from flowgrpo.config import ConfigError, TrainConfig, dump_config, to_dict, validate
 from flowgrpo.ema import EMA
-from flowgrpo.losses import (check_weights, flow_kl, guard_log_ratio, guard_step_weights,
-                             policy_loss, rectification_weights, surrogate_stats)
-from flowgrpo.plans import make_plan
-from flowgrpo.passk import family_mean_se, mean_and_se
-from flowgrpo.prompts import (PromptCurriculum, bucket_labels, comparison_prompts, eval_selection,
-                              load_prompts, mixed_groups, sample_indices)
-from flowgrpo.rollout import (RolloutBatch, RolloutSettings, replay_logp, rollout, sample_ode,
-                              seeded_generator)
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+from flowgrpo.policy import load_policy_class
+from flowgrpo.prompts import (PromptCurriculum, bucket_labels, comparison_prompts, load_prompts,
+                              mixed_groups, sample_indices)
+from flowgrpo.seeding import seeded_generator
 
 
 def scheduled_lr(lr: float, iteration: int, warmup: int, decay: str, final_ratio: float,
@@ -47,15 +48,38 @@ def scheduled_lr(lr: float, iteration: int, warmup: int, decay: str, final_ratio
     return lr * (final_ratio + (1.0 - final_ratio) * shape)
 
 
+def window_lengths(max_count: int, per_step: int) -> list[int]:
+    """Backward passes of each optimiser step of an inner epoch when the process with the most
+    replay batches holds ``max_count`` of them and a step takes ``per_step``: the same list on every
+    process, so every process joins every gradient all-reduce. Empty when nothing trains."""
+    return [min(per_step, max_count - start) for start in range(0, max_count, per_step)]
+
+
+def replica_checksums(tensors: list[Tensor]) -> Tensor:
+    """(len(tensors), 2) float64: each tensor's sum and position-weighted sum. Equal rows on two
+    processes mean equal weights up to a coincidence no initialisation or update produces."""
+    rows = []
+    for tensor in tensors:
+        flat = tensor.detach().double().flatten()
+        positions = torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=flat.device)
+        rows.append(torch.stack([flat.sum(), (flat * positions).sum() / max(flat.numel(), 1)]))
+    return torch.stack(rows) if rows else torch.zeros(0, 2, dtype=torch.float64)
+
+
 def _mean(values: list[float]) -> float:
     return float(sum(values) / len(values)) if values else float("nan")
 
 
+class NonFiniteGradientError(RuntimeError):
+    """Too many optimiser steps in a row had a non-finite gradient."""
+
+
 class Trainer:
-    """Builds everything from a validated ``TrainConfig`` and runs GRPO on a FlowModel."""
+    """Builds everything from a validated ``TrainConfig`` and runs GRPO on its policy."""
 
     def __init__(self, config: TrainConfig, accelerator=None, model=None) -> None:
         from accelerate import Accelerator
+        from accelerate.utils import DistributedDataParallelKwargs
 
         self.config = config
         tracker = config.run.tracker
@@ -65,13 +89,22 @@ class Trainer:
             except ImportError:
                 tracker = "none"
         self.run_dir = Path(config.run.output_dir) / config.name
+        t = config.training
+        if accelerator is None:
+            preflight_engine()
         self.accelerator = accelerator or Accelerator(
-            mixed_precision=config.training.mixed_precision,
+            mixed_precision=t.mixed_precision,
             log_with=None if tracker == "none" else tracker,
-            project_dir=str(self.run_dir))
+            project_dir=str(self.run_dir),
+            # Buffers are not trained and equal on every rank; broadcasting them at every forward
+            # would make a forward on the main process alone (evaluation) a collective.
+            kwargs_handlers=[DistributedDataParallelKwargs(
+                broadcast_buffers=False, find_unused_parameters=t.ddp_find_unused_parameters)])
         self.tracker = tracker
         # Batch divisibility depends on the process count, known only now.
         validate(config, num_processes=self.accelerator.num_processes)
+        self.engine = engine_name(self.accelerator)
+        self.sharded = check_engine(config, self.accelerator)
         if config.run.num_threads:
             torch.set_num_threads(config.run.num_threads)
         torch.manual_seed(config.run.seed)
@@ -81,7 +114,6 @@ class Trainer:
         self.eval_records = load_prompts(config.prompts.eval) if config.prompts.eval else []
         if config.prompts.num_eval:
             self.eval_records = self.eval_records[:config.prompts.num_eval]
-        self.reward = self.load_rewards()
         cur = config.prompts.curriculum
         self.curriculum = PromptCurriculum(
             [r["prompt"] for r in self.train_records], floor=cur.floor, prior=cur.prior,
@@ -90,63 +122,33 @@ class Trainer:
                               if config.prompts.balance_key else None)
         self._drawn: tuple[int, list[int]] | None = None
 
-        self.model = model   # tests and benchmarks may hand in a built FlowModel
-        self.load_policy()
-        t = config.training
-        self.optimizer = self._make_optimizer()
+        self.policy = load_policy_class(config.policy)(config, self.accelerator,
+                                                       self.train_records, model=model)
+        self.trainable = self.policy.trainable
         self.ema = EMA(self.trainable, t.ema.decay, t.ema.every) if t.ema.enabled else None
+        self.engine_module, self.optimizer = self.accelerator.prepare(self.policy.module,
+                                                                      self._make_optimizer())
+        self.policy.bind(self.engine_module, self.sharded)
+        self.check_replicas("setup")
         self.start_iteration = 0
-        self.reference_module = None
-        if t.kl_beta > 0 and not config.model.lora.enabled:
-            # Full fine-tuning has no adapter to disable: keep a frozen copy as the reference.
-            self.reference_module = copy.deepcopy(self.module).requires_grad_(False)
+        self.skipped_in_a_row = 0
+        self._seeds: dict[tuple, Tensor] = {}
         self.history: list[dict] = []
 
-    def load_rewards(self):
-        """The MultiReward of the config's components (every component is logged)."""
-        from reward_models import MultiReward
+    # ------------------------------------------------------------------ the policy's parts
+    @property
+    def model(self):
+        """The policy's model (a FlowModel, or the LM with its tokenizer)."""
+        return self.policy.model
 
-        return MultiReward.from_config(
-            [{"name": c.name, "weight": c.weight, **c.options}
-             for c in self.config.rewards.components],
-            aggregation=self.config.rewards.aggregation)
+    @property
+    def module(self) -> torch.nn.Module:
+        """The module that trains (unwrapped; ``engine_module`` is the engine's wrapper)."""
+        return self.policy.module
 
-    def load_policy(self) -> None:
-        """Load the model and make its trainable parameters (LoRA or full). Sets ``self.model``
-        (the FlowModel), ``self.module`` (the nn.Module that trains) and ``self.trainable``."""
-        from pipelines import load_model
-
-        m = self.config.model
-        if self.model is None:
-            self.model = load_model(m.family, m.path, dtype=DTYPES[m.dtype],
-                                    device=self.accelerator.device, options=dict(m.options))
-        self.module = self.model.transformer
-        self.setup_trainable(self.model.lora_target_modules)
-        self.base_sigmas = self.model.sigmas(self.config.sampling.num_steps)
-
-    # ------------------------------------------------------------------ setup helpers
-    def setup_trainable(self, default_targets: list[str]) -> None:
-        m = self.config.model
-        self.module.requires_grad_(False)
-        if m.gradient_checkpointing:
-            self.module.gradient_checkpointing_enable() if hasattr(
-                self.module, "gradient_checkpointing_enable") else \
-                self.module.enable_gradient_checkpointing()
-        if m.lora.enabled:
-            from peft import LoraConfig
-
-            targets = m.lora.target_modules or default_targets
-            self.module.add_adapter(LoraConfig(
-                r=m.lora.rank, lora_alpha=m.lora.alpha, target_modules=targets,
-                init_lora_weights="gaussian" if m.lora.init == "gaussian" else True))
-            for param in self.module.parameters():
-                if param.requires_grad:
-                    param.data = param.data.float()   # LoRA weights train in float32
-        else:
-            self.module.requires_grad_(True)
-        self.trainable = {n: p for n, p in self.module.named_parameters() if p.requires_grad}
-        if not self.trainable:
-            raise ValueError("model.lora.target_modules matched no module: nothing to train")
+    @property
+    def reward(self):
+        return self.policy.reward
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
         t = self.config.training
@@ -161,34 +163,59 @@ class Trainer:
                                        weight_decay=t.weight_decay, eps=t.adam_eps)
         # The fused kernel updates every tensor in one call: 4.2-4.4x faster than the per-tensor
         # loop for the toy model's 94 tensors on one CPU thread, weights equal to 1.5e-8 after
-        # 53 steps (python benchmarks/optimizer.py).
-        fused = all(p.dtype.is_floating_point and p.device.type in ("cpu", "cuda") for p in params)
+        # 53 steps (python benchmarks/optimizer.py). Sharded engines re-home the parameters after
+        # this, so they get the plain loop.
+        fused = not self.sharded and all(
+            p.dtype.is_floating_point and p.device.type in ("cpu", "cuda") for p in params)
         return torch.optim.AdamW(params, lr=t.lr, betas=t.adam_betas, weight_decay=t.weight_decay,
                                  eps=t.adam_eps, fused=fused or None)
 
     @contextmanager
-    def reference_policy(self):
-        """The KL reference: the same transformer with LoRA disabled (no copy in memory)."""
-        if self.reference_module is not None:
-            live = self.model.transformer
-            self.model.transformer = self.reference_module
-            try:
-                yield
-            finally:
-                self.model.transformer = live
-        else:
-            self.module.disable_adapters()
-            try:
-                yield
-            finally:
-                self.module.enable_adapters()
+    def ema_weights(self):
+        """The EMA weights swapped in (evaluation, grids, published weights), when EMA is on."""
+        with self.ema.swapped_in() if self.ema is not None else nullcontext():
+            yield
 
-    def settings(self, iteration: int) -> RolloutSettings:
-        s = self.config.sampling
-        return RolloutSettings(kind=s.kind, noise_level=s.noise_level,
-                               guidance_scale=s.guidance_scale, batch_size=s.rollout_batch_size,
-                               share_initial_noise=s.share_initial_noise, seed=self.config.run.seed,
-                               iteration=iteration)
+    # ------------------------------------------------------------------ ranks
+    def main_only(self, section: str, work: Callable[[], Any]) -> Any:
+        """Run ``work`` on the main process and hand its result to every process. When it raises,
+        every process raises (the main process its own error, the others one naming it) instead
+        of waiting for the main process at the next collective until the group times out."""
+        acc = self.accelerator
+        result, error = None, None
+        if acc.is_main_process:
+            try:
+                result = work()
+            except Exception as err:   # noqa: BLE001 (re-raised below, on every process)
+                error = err
+        if acc.num_processes > 1:
+            from accelerate.utils import broadcast_object_list
+
+            message = None if error is None else f"{type(error).__name__}: {error}"
+            shared = broadcast_object_list([message, result if error is None else None],
+                                           from_process=0)
+            if shared[0] is not None and error is None:
+                raise RuntimeError(f"the main process failed in {section}: {shared[0]}")
+            result = shared[1]
+        if error is not None:
+            raise error
+        return result
+
+    def check_replicas(self, when: str) -> None:
+        """Every process must hold the same trainable weights (DDP keeps them equal only if they
+        start equal): compare checksums after setup and after a resume. Sharded engines hold
+        different shards by design and are skipped."""
+        acc = self.accelerator
+        if acc.num_processes == 1 or self.sharded:
+            return
+        names = list(self.trainable)
+        local = replica_checksums([self.trainable[n] for n in names]).to(acc.device)
+        every = acc.gather(local.unsqueeze(0)).cpu()
+        differ = (every != every[:1]).any(dim=2).any(dim=0)
+        if bool(differ.any()):
+            first = names[int(differ.nonzero()[0])]
+            raise RuntimeError(f"trainable weights differ across processes after {when} (first: "
+                               f"{first}); every process must load the same model and checkpoint")
 
     # ------------------------------------------------------------------ one iteration
     def group_prompts(self, iteration: int) -> list[int]:
@@ -215,50 +242,12 @@ class Trainer:
         group_ids = sample_ids // t.group_size
         return [groups[int(g)] for g in group_ids], group_ids, sample_ids
 
-    def rollout_and_score(self, iteration: int) -> tuple[RolloutBatch, dict[str, Tensor], dict]:
+    def rollout_and_score(self, iteration: int) -> tuple[Any, dict[str, Tensor], dict]:
+        """This process's rows, rolled out and scored by the policy."""
         records, group_ids, sample_ids = self.local_batch(iteration)
-        prompts = [r["prompt"] for r in records]
-        metadata = [r["metadata"] for r in records]
-        plans = {int(g): make_plan(self.config.sampling.plan, self.base_sigmas, iteration, int(g),
-                                   self.config.run.seed) for g in group_ids.unique()}
-        futures: list[tuple[Tensor, Future]] = []
-        reward_seconds: list[float] = []
-        executor = ThreadPoolExecutor(max_workers=1) if self.config.rewards.threaded else None
+        return self.policy.rollout(records, group_ids, sample_ids, iteration)
 
-        def score(rows: Tensor, media: Tensor) -> dict[str, Tensor]:
-            began = time.perf_counter()
-            picked = rows.tolist()    # iterating the tensor would make a 0-d tensor per row
-            out = self.reward(media, [prompts[i] for i in picked], [metadata[i] for i in picked])
-            reward_seconds.append(time.perf_counter() - began)
-            return out
-
-        def on_media(rows: Tensor, media: Tensor) -> None:
-            if executor is not None:
-                futures.append((rows, executor.submit(score, rows, media)))
-            else:
-                done: Future = Future()
-                done.set_result(score(rows, media))
-                futures.append((rows, done))
-
-        began = time.perf_counter()
-        with torch.no_grad(), self.accelerator.autocast():
-            batch = rollout(self.model, prompts, metadata, group_ids, sample_ids, plans,
-                            self.settings(iteration), on_media=on_media)
-        rollout_seconds = time.perf_counter() - began
-        began = time.perf_counter()
-        rewards: dict[str, Tensor] = {}
-        for rows, future in futures:
-            for name, values in future.result().items():
-                if name not in rewards:
-                    rewards[name] = torch.full((len(prompts),), float("nan"))
-                rewards[name][rows] = values.float().cpu()
-        if executor is not None:
-            executor.shutdown()
-        timing = {"time/rollout": rollout_seconds, "time/reward_wait": time.perf_counter() - began,
-                  "time/reward_compute": sum(reward_seconds)}
-        return batch, rewards, timing
-
-    def compute_advantages(self, batch: RolloutBatch, rewards: dict[str, Tensor]
+    def compute_advantages(self, batch, rewards: dict[str, Tensor]
                            ) -> tuple[Tensor, dict[str, float]]:
         """Gather rewards over processes, compute advantages on the whole batch, keep ours."""
         t = self.config.training
@@ -305,50 +294,67 @@ class Trainer:
                         for k, v in self.curriculum.summary(self.train_buckets).items()})
         return metrics
 
-    def update(self, batch: RolloutBatch, advantages: Tensor, iteration: int) -> dict[str, float]:
-        """num_inner_epochs passes over the rollout's replay batches, clipped-surrogate loss."""
+    def update(self, batch, advantages: Tensor, iteration: int) -> dict[str, float]:
+        """num_inner_epochs passes over the rollout's replay batches, clipped-surrogate loss.
+
+        An optimiser step accumulates ``gradient_accumulation_steps`` replay batches (0: all of
+        an epoch). Every process runs the same number of backward passes per step
+        (``window_lengths``); one short of replay batches replays one of its own with weight 0.
+        """
         t = self.config.training
         acc = self.accelerator
-        settings = self.settings(iteration)
         clip_high = t.clip_low if t.clip_high is None else t.clip_high
         replays = [r for r in batch.replay
                    if not (t.skip_zero_std_groups and bool((advantages[r.rows] == 0).all()))]
-        # Every process must run the same number of optimiser steps (gradient all-reduce).
         count = torch.tensor([len(replays)], device=acc.device)
         max_count = int(acc.gather(count).max()) if acc.num_processes > 1 else len(replays)
         per_step = t.gradient_accumulation_steps or max(max_count, 1)
-        num_steps = max(math.ceil(max_count / per_step), 1)
-        step_weights = self.step_weights(replays)
+        lengths = window_lengths(max_count, per_step)
+        step_weights = self.policy.step_weights(replays)
         # Per replay batch only detached tensors are kept; the statistics are computed once over
         # all of them at the end (``update_metrics``), so they describe the whole update.
         rows: dict[str, list[Tensor]] = {}
-        # d objective / d loss of a replay batch = 1 / per_step (gradient accumulation), handed
-        # to backward() as its seed: a (loss / per_step) would add an op and an autograd node.
-        seed: Tensor | None = None
         first_pass_dev: list[Tensor] = []
         grad_norms: list[float] = []
+        skipped = 0
         for epoch in range(t.num_inner_epochs):
             order = torch.randperm(len(replays), generator=seeded_generator(
                 self.config.run.seed, iteration, "epoch", epoch)).tolist()
-            for step in range(num_steps):
-                window = order[step * per_step:(step + 1) * per_step]
-                for index in window:
-                    with acc.autocast():
-                        loss, record = self.replay_loss(batch, replays[index], advantages,
-                                                        settings, clip_high, step_weights[index])
-                    if seed is None or seed.dtype != loss.dtype or seed.device != loss.device:
-                        seed = torch.full((), 1.0 / per_step, dtype=loss.dtype, device=loss.device)
-                    loss.backward(seed)
+            for step, length in enumerate(lengths):
+                window = order[step * per_step:step * per_step + length]
+                for position in range(length):
+                    last = position == length - 1
+                    padding = position >= len(window)
+                    if padding:   # zero-weighted, so this process joins the all-reduce
+                        replay = replays[0] if replays else batch.replay[0]
+                        weights = torch.ones(len(replay.rows), device=replay.logp_old.device)
+                    else:
+                        replay, weights = replays[window[position]], step_weights[window[position]]
+                    acc.gradient_state._set_sync_gradients(last)
+                    with nullcontext() if last else acc.no_sync(self.engine_module):
+                        with acc.autocast():
+                            loss, record = self.policy.replay_loss(batch, replay, advantages,
+                                                                   iteration, clip_high, weights)
+                        self.backward(loss, 0.0 if padding else 1.0 / per_step)
+                    if padding:
+                        continue
                     for key, value in record.items():   # detached by contract; a detach is an op
                         rows.setdefault(key, []).append(
                             value.detach() if value.requires_grad else value)
                     if epoch == 0 and step == 0:   # before any optimiser step: must be exactly 1
                         first_pass_dev.append(record["ratio_max_dev"])
-                grad_norms.append(self.optimizer_step())
-        metrics = {f"train/{k}": float(v) for k, v in self.update_metrics(
+                norm, stepped = self.optimizer_step()
+                grad_norms.append(norm)
+                skipped += not stepped
+        metrics = {f"train/{k}": float(v) for k, v in self.policy.update_metrics(
             {key: torch.stack(values) if values[0].dim() == 0 else torch.cat(values)
              for key, values in rows.items()}, clip_high).items()}
-        metrics["train/grad_norm"] = _mean(grad_norms)
+        finite = [n for n in grad_norms if math.isfinite(n)]
+        metrics["train/grad_norm"] = _mean(finite)
+        metrics["train/optimizer_steps"] = len(grad_norms)
+        metrics["train/skipped_steps"] = skipped
+        if acc.scaler is not None:
+            metrics["train/loss_scale"] = float(acc.scaler.get_scale())
         metrics["train/first_pass_ratio_max_dev"] = \
             float(torch.stack(first_pass_dev).max()) if first_pass_dev else 0.0
         metrics["train/replay_batches"] = len(replays)
@@ -356,102 +362,47 @@ class Trainer:
         metrics["lr"] = self.optimizer.param_groups[0]["lr"]
         return metrics
 
-    def step_weights(self, replays: list) -> list[Tensor]:
-        """Per-row loss weights of each replay batch: GRPO-Guard's 1/dt and/or Flash-GRPO's kappa,
-        normalised by their mean over the iteration's trained transitions (a replay batch holds a
-        single step, so normalising within it would make every weight 1)."""
-        t = self.config.training
-        raw = []
-        for replay in replays:
-            weights = torch.ones_like(replay.logp_old)
-            if t.dt_reweight:
-                weights = weights * guard_step_weights(replay.sigmas, replay.sigmas_next,
-                                                       normalize=False)
-            if t.rectification:
-                weights = weights * rectification_weights(replay.sigmas, replay.sigmas_next,
-                                                          replay.std, normalize=False)
-            raw.append(weights)
-        if raw and (t.dt_reweight or t.rectification):
-            mean = torch.cat(raw).mean()
-            raw = [w / mean for w in raw]
-            check_weights(torch.cat(raw))   # once here, so the loss skips it per replay batch
-        return raw
+    def backward(self, loss: Tensor, scale: float) -> None:
+        """``accelerator.backward`` of ``scale * loss`` (d objective / d loss of a replay batch
+        is 1 / batches per step). The scale is backward()'s seed, not a multiply: one op and one
+        autograd node less per replay batch; DeepSpeed's backward takes no seed."""
+        if self.engine == "deepspeed":
+            self.accelerator.backward(loss * scale)
+            return
+        seed = self._seeds.get((scale, loss.dtype, loss.device))
+        if seed is None:
+            seed = self._seeds[(scale, loss.dtype, loss.device)] = torch.full(
+                (), scale, dtype=loss.dtype, device=loss.device)
+        self.accelerator.backward(loss, gradient=seed)
 
-    def replay_condition(self, batch: RolloutBatch, replay):
-        """Prompt embeddings of a replay batch's rows; the batch's unique prompts are encoded once
-        per update and rows are picked from them. The rollout hands every step of a chunk the
-        same ``rows`` tensor, so a selection is made once per chunk and reused for its steps."""
-        if getattr(self, "_cond_batch", None) is not batch:
-            unique = list(dict.fromkeys(batch.prompts))
-            self._cond_unique = self.model.encode_prompts(unique).to(self.model.device)
-            self._cond_index = torch.tensor([unique.index(p) for p in batch.prompts])
-            self._cond_batch = batch
-            self._cond_by_rows = {}
-        # Keyed by the tensor's id: the batch keeps every rows tensor alive, so an id cannot be
-        # reused while this cache (reset with the batch) is in use.
-        key = id(replay.rows)
-        if key not in self._cond_by_rows:
-            self._cond_by_rows[key] = self._cond_unique.select(self._cond_index[replay.rows])
-        return self._cond_by_rows[key]
-
-    def replay_loss(self, batch: RolloutBatch, replay, advantages: Tensor,
-                    settings: RolloutSettings, clip_high: float, weights: Tensor
-                    ) -> tuple[Tensor, dict[str, Tensor]]:
-        """The loss of one replay batch: surrogate (+ Guard / rectification weights) + KL.
-        Returns the loss and a record of detached tensors for ``update_metrics``: per row
-        ``log_ratio`` (the one the loss used), ``advantages`` and ``weights``; 0-d
-        ``ratio_max_dev`` (max |exp(logp - logp_old) - 1|, exactly 0 on the first pass),
-        ``policy_loss`` (and ``kl``)."""
-        cond = self.replay_condition(batch, replay)
-        t = self.config.training
-        logp, mean = replay_logp(self.model, replay, cond, settings)
-        adv = advantages[replay.rows]
-        adv = adv if adv.device == logp.device else adv.to(logp.device)
-        raw_log_ratio = logp.detach() - replay.logp_old
-        log_ratio = guard_log_ratio(logp, replay.logp_old, mean, replay.mean_old, replay.std) \
-            if t.ratio_norm else None
-        loss, _ = policy_loss(logp, replay.logp_old, adv, t.clip_low, clip_high,
-                              weights=weights, log_ratio=log_ratio, with_stats=False,
-                              validate=False)
-        record = {"log_ratio": raw_log_ratio if log_ratio is None else log_ratio.detach(),
-                  "advantages": adv, "weights": weights,
-                  "ratio_max_dev": torch.expm1(raw_log_ratio).abs().max(),
-                  "policy_loss": loss.detach()}
-        if t.kl_beta > 0:
-            with torch.no_grad(), self.reference_policy():
-                _, mean_ref = replay_logp(self.model, replay, cond, settings)
-            kl = flow_kl(mean, mean_ref, replay.std).mean()
-            loss = loss + t.kl_beta * kl
-            record["kl"] = kl.detach()
-        return loss, record
-
-    def update_metrics(self, rows: dict[str, Tensor], clip_high: float) -> dict[str, Tensor]:
-        """An update's statistics from the concatenated records of its replay batches:
-        ``surrogate_stats`` over every trained row, and the mean policy loss (and KL)."""
-        if not rows:
-            return {}
-        stats = surrogate_stats(rows["log_ratio"], rows["advantages"], self.config.training.clip_low,
-                                clip_high, rows["weights"])
-        stats["policy_loss"] = rows["policy_loss"].float().mean()
-        if "kl" in rows:
-            stats["kl"] = rows["kl"].float().mean()
-        return stats
-
-    def optimizer_step(self) -> float:
+    def optimizer_step(self) -> tuple[float, bool]:
+        """Clip (after unscaling, under fp16), step, zero the gradients, update the EMA.
+        A step whose gradient norm is not finite is skipped: neither the weights nor the EMA
+        change (under fp16 the scaler also lowers its scale). Returns (norm, stepped)."""
         acc = self.accelerator
-        params = list(self.trainable.values())
-        if acc.num_processes > 1:
-            for p in params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                p.grad = acc.reduce(p.grad, reduction="mean")
         max_norm = self.config.training.max_grad_norm
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
-        self.optimizer.step()
+        params = (list(self.engine_module.parameters()) if self.sharded
+                  else list(self.trainable.values()))
+        norm = acc.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
+        norm = float("nan") if norm is None else float(norm)
+        if math.isfinite(norm) or acc.scaler is not None or self.engine == "deepspeed":
+            self.optimizer.step()   # the scaler / DeepSpeed skip a step that overflowed
+            stepped = not acc.optimizer_step_was_skipped and (
+                math.isfinite(norm) or self.engine == "deepspeed")
+        else:
+            stepped = False
         self.optimizer.zero_grad(set_to_none=True)
-        if self.ema is not None:
+        if stepped and self.ema is not None:
             self.ema.step()
-        return float(norm)
+        limit = self.config.training.max_consecutive_skipped_steps
+        self.skipped_in_a_row = 0 if stepped else self.skipped_in_a_row + 1
+        if limit and self.skipped_in_a_row >= limit:
+            raise NonFiniteGradientError(
+                f"{self.skipped_in_a_row} optimiser steps in a row had a non-finite gradient "
+                f"norm and were skipped; the last checkpoint holds the last finite weights. "
+                f"Lower training.lr, use bf16 instead of fp16, or check the rewards "
+                f"(training.max_consecutive_skipped_steps sets this limit)")
+        return norm, stepped
 
     def learning_rate(self, iteration: int) -> float:
         """The lr of ``iteration`` (0-based): ``scheduled_lr`` of the config. A function of the
@@ -476,58 +427,22 @@ class Trainer:
         metrics["trained_transitions"] = batch.trained_transitions
         return metrics
 
-    # ------------------------------------------------------------------ evaluation
-    def eval_noise(self, count: int) -> Tensor:
-        return torch.cat([self.model.initial_noise(1, seeded_generator(self.config.run.seed, "eval", i))
-                          for i in range(count)])
+    # ------------------------------------------------------------------ evaluation and grids
+    def _everywhere_or_main(self, section: str, work: Callable[[], Any]) -> Any:
+        """Sampling sections: on the main process alone, except under a sharded engine, where
+        every forward gathers parameter shards and so every process must run it."""
+        if self.sharded:
+            return work()
+        return self.main_only(section, work)
 
-    def eval_samples(self) -> list[dict]:
-        """The held-out records to sample at evaluation, one entry per sample (fixed noise each)."""
-        p = self.config.prompts
-        return eval_selection(self.eval_records, p.eval_per_family, p.eval_seeds)
-
-    @torch.no_grad()
     def evaluate(self, iteration: int, save_images: bool = True) -> dict[str, float]:
-        """Deterministic-sampler rewards on the held-out prompts, per component and per family."""
+        """The policy's held-out metrics with the EMA weights (when EMA is on)."""
         if not self.eval_records:
             return {}
-        s = self.config.sampling
-        records = self.eval_samples()
-        prompts = [r["prompt"] for r in records]
-        metadata = [r["metadata"] for r in records]
-        guidance = s.guidance_scale if s.eval_guidance_scale is None else s.eval_guidance_scale
-        swap = self.ema.swapped_in() if self.ema is not None else nullcontext()
-        with swap, self.accelerator.autocast():
-            media = sample_ode(self.model, prompts, self.eval_noise(len(prompts)), s.eval_num_steps,
-                               guidance, batch_size=max(s.rollout_batch_size, 16))
-        scores = self.reward(media, prompts, metadata)
-        metrics: dict[str, float] = {}
-        # Every mean X comes with its standard error X/se (std / sqrt(n), flowgrpo.passk).
-        for name, values in scores.items():
-            valid = values[~values.isnan()]
-            metrics[f"eval/{name}"] = float(valid.mean()) if len(valid) else float("nan")
-            metrics[f"eval/{name}/se"] = mean_and_se(valid)[1]
-            families = sorted({str(m.get("family")) for m in metadata if m.get("family")})
-            per_family, per_family_se = [], []
-            for family in families:
-                mask = torch.tensor([m.get("family") == family for m in metadata]) & ~values.isnan()
-                if mask.any():
-                    metrics[f"eval/{name}/{family}"] = float(values[mask].mean())
-                    metrics[f"eval/{name}/{family}/se"] = mean_and_se(values[mask])[1]
-                    per_family.append(metrics[f"eval/{name}/{family}"])
-                    per_family_se.append(metrics[f"eval/{name}/{family}/se"])
-            if per_family:
-                # GenEval's overall score: the mean over task families, not over prompts.
-                metrics[f"eval/{name}/family_mean"] = _mean(per_family)
-                metrics[f"eval/{name}/family_mean/se"] = family_mean_se(per_family_se)
-        if save_images:
-            from torchvision.utils import save_image
-
-            images = media[:64] if media.dim() == 4 else media[:16, 0]
-            out = self.run_dir / "samples"
-            out.mkdir(parents=True, exist_ok=True)
-            save_image(images, out / f"eval_{iteration:05d}.png", nrow=8)
-        return metrics
+        out = self.run_dir / "samples" if save_images and self.accelerator.is_main_process \
+            else None
+        with torch.no_grad(), self.ema_weights():
+            return self.policy.evaluate(self.eval_records, iteration, out)
 
     GRID_ROWS = 12          # rows of the grid when the eval prompts have no families
     GRID_PER_FAMILY = 2     # rows per family otherwise
@@ -537,105 +452,88 @@ class Trainer:
         first two eval prompts of each family in the eval source's order (else the first 12)."""
         return comparison_prompts(self.eval_records, self.GRID_PER_FAMILY, self.GRID_ROWS)
 
-    @torch.no_grad()
     def save_grid_samples(self, tag: str) -> None:
-        """Deterministic samples of the grid prompts, saved as safetensors (survives a resume)."""
-        from safetensors.torch import save_file
-
-        records = self.grid_records()
-        if not records:
-            return
-        s = self.config.sampling
-        guidance = s.guidance_scale if s.eval_guidance_scale is None else s.eval_guidance_scale
-        swap = self.ema.swapped_in() if self.ema is not None else nullcontext()
-        with swap, self.accelerator.autocast():
-            media = sample_ode(self.model, [r["prompt"] for r in records],
-                               self.eval_noise(len(records)), s.eval_num_steps, guidance)
-        save_file({"media": media.contiguous()}, str(self.run_dir / f"grid_{tag}.safetensors"))
+        with torch.no_grad(), self.ema_weights():
+            self.policy.save_grid_samples(self.grid_records(), self.run_dir, tag)
 
     def write_comparison_grid(self) -> Path | None:
-        """runs/<name>/comparison.png: rows = held-out prompts (``grid_records``), columns = base
-        and final model, the same noise across a row, each cell captioned with the verifier's
-        verdict (PASS / FAIL for a reward whose scores are all 0 or 1) and the score of each
-        reward (``commands.cell_caption``)."""
-        from safetensors.torch import load_file
-
-        from flowgrpo.commands import cell_caption, verdict_keys
-        from flowgrpo.grids import image_grid
-
-        base_path = self.run_dir / "grid_base.safetensors"
-        records = self.grid_records()
-        if not base_path.is_file() or not records:
-            return None
-        self.save_grid_samples("final")
-        base = load_file(str(base_path))["media"]
-        final = load_file(str(self.run_dir / "grid_final.safetensors"))["media"]
-        if base.dim() != 4:
-            return None   # video runs: use `flowgrpo grid` for MP4 grids
-        prompts = [r["prompt"] for r in records]
-        metadata = [r["metadata"] for r in records]
-        scores = [self.reward(m, prompts, metadata) for m in (base, final)]
-        weights = self.reward.weights
-        verdicts = verdict_keys(scores, weights)
-        images = torch.stack([base, final], dim=1)
-        labels = [[cell_caption(scores[c], weights, r, verdict=verdicts) for c in range(2)]
-                  for r in range(len(records))]
-        rows = [f"{r['prompt']}\n({r['metadata']['family']})" if r["metadata"].get("family")
-                else r["prompt"] for r in records]
-        grid = image_grid(images, row_labels=rows,
-                          col_labels=["base", f"iteration {self.config.run.max_iterations}"],
-                          cell_labels=labels)
-        path = self.run_dir / "comparison.png"
-        grid.save(path)
-        return path
+        """The policy's base-vs-final comparison (``comparison.png`` / ``comparison.md``)."""
+        with torch.no_grad(), self.ema_weights():
+            return self.policy.write_comparison_grid(
+                self.grid_records(), self.run_dir, f"iteration {self.config.run.max_iterations}")
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, iteration: int) -> Path:
+        """checkpoints/<iteration>/: exact-resume state (safetensors) and the user-facing weights
+        (LoRA in the ecosystem's format, or the full model), EMA weights when EMA is on. Under a
+        sharded engine the engine's own sharded state goes to ``engine/`` and the user-facing
+        weights are consolidated on the main process."""
         directory = self.run_dir / "checkpoints" / str(iteration)
-        swap = self.ema.swapped_in() if self.ema is not None else nullcontext()
+        bad = [n for n, p in self.trainable.items() if not bool(torch.isfinite(p).all())]
+        if bad:
+            raise FloatingPointError(f"not saving iteration {iteration}: {len(bad)} trainable "
+                                     f"tensors hold non-finite values (first: {bad[0]}); the "
+                                     f"previous checkpoint is kept")
+        consolidated = None
+        if self.sharded:
+            # Collective: every process writes its shard and takes part in the consolidation.
+            self.accelerator.save_state(str(self.run_dir / "checkpoints" / f".engine-{iteration}"))
+            consolidated = self.accelerator.get_state_dict(self.engine_module)
 
-        def save_lora(folder: str) -> None:
-            with swap:   # the published weights are the EMA weights when EMA is on
-                self.save_policy_weights(folder)
+        def write() -> None:
+            def save_weights(folder: str) -> None:
+                with self.ema_weights():   # the published weights are the EMA weights
+                    self.policy.save_weights(folder, consolidated)
 
-        if self.accelerator.is_main_process:
+            extra = {"name": self.config.name, "family": self.config.model.family,
+                     "policy": self.config.policy, "engine": self.engine}
+            if self.curriculum is not None:
+                extra["curriculum"] = self.curriculum.state_dict()
+            if self.accelerator.scaler is not None:
+                extra["grad_scaler"] = self.accelerator.scaler.state_dict()
             ckpt.save_checkpoint(
-                directory, iteration=iteration, trainable=self.trainable, optimizer=self.optimizer,
+                directory, iteration=iteration,
+                trainable={} if self.sharded else self.trainable,
+                optimizer=None if self.sharded else self.optimizer,
                 ema_state=self.ema.state_dict() if self.ema else None,
-                ema_counters=self.ema.counters() if self.ema else None, save_lora=save_lora,
-                extra={"name": self.config.name, "family": self.config.model.family,
-                       "policy": self.config.policy,
-                       **({"curriculum": self.curriculum.state_dict()}
-                          if self.curriculum is not None else {})})
+                ema_counters=self.ema.counters() if self.ema else None, save_lora=save_weights,
+                extra=extra)
+            if self.sharded:
+                engine_dir = self.run_dir / "checkpoints" / f".engine-{iteration}"
+                engine_dir.rename(directory / "engine")
             ckpt.prune_checkpoints(self.run_dir, self.config.run.keep_checkpoints)
-        self.accelerator.wait_for_everyone()
+
+        self.main_only(f"checkpoint {iteration}", write)
         return directory
 
-    def save_policy_weights(self, folder: str) -> None:
-        """LoRA in the diffusers format (``pipe.load_lora_weights(folder)``), or the full
-        transformer under ``folder/transformer`` (``from_pretrained``-loadable)."""
-        from peft import get_peft_model_state_dict
-
-        if self.config.model.lora.enabled:
-            self.model.save_lora_weights(folder, get_peft_model_state_dict(self.module))
-        else:
-            self.module.save_pretrained(Path(folder) / "transformer")
-
     def resume(self, resume: str) -> None:
-        path = ckpt.resolve_resume(resume, self.run_dir)
-        if path is None:
+        # Resolved once, on the main process: every process continues from the same checkpoint
+        # even where the run folder is not on a shared filesystem.
+        found = self.main_only("resume", lambda: ckpt.resolve_resume(resume, self.run_dir))
+        if found is None:
             return
-        state = ckpt.load_checkpoint(path)
-        missing = set(self.trainable) - set(state["trainable"])
-        if missing:
-            raise ValueError(f"checkpoint {path} does not match this model/LoRA config: "
-                             f"{len(missing)} trainable tensors missing (e.g. {sorted(missing)[0]})")
-        with torch.no_grad():
-            for name, param in self.trainable.items():
-                param.copy_(state["trainable"][name])
-        self.optimizer.load_state_dict(state["optimizer"])
+        path = Path(found)
+        state = ckpt.load_checkpoint(path, require_trainable=not self.sharded)
+        saved_engine = state["state"].get("engine", "single")
+        if self.sharded or saved_engine in ("fsdp", "deepspeed"):
+            if saved_engine != self.engine:
+                raise ValueError(f"checkpoint {path} was written under {saved_engine}; resume it "
+                                 f"under the same engine (this run: {self.engine})")
+            self.accelerator.load_state(str(path / "engine"))
+        else:
+            missing = set(self.trainable) - set(state["trainable"])
+            if missing:
+                raise ValueError(f"checkpoint {path} does not match this model/LoRA config: "
+                                 f"{len(missing)} trainable tensors missing (e.g. "
+                                 f"{sorted(missing)[0]})")
+            with torch.no_grad():
+                for name, param in self.trainable.items():
+                    param.copy_(state["trainable"][name])
+            self.optimizer.load_state_dict(state["optimizer"])
         if self.ema is not None and state["ema"] is not None:
             self.ema.load(state["ema"], state["state"]["ema"])
+        if self.accelerator.scaler is not None and "grad_scaler" in state["state"]:
+            self.accelerator.scaler.load_state_dict(state["state"]["grad_scaler"])
         torch.set_rng_state(state["rng"])
         self.start_iteration = int(state["state"]["iteration"])
         if self.curriculum is not None:
@@ -644,6 +542,7 @@ class Trainer:
             else:
                 print(f"checkpoint {path} has no curriculum state (saved without "
                       f"prompts.curriculum): the curriculum starts from its prior", flush=True)
+        self.check_replicas(f"resuming from {path}")
 
     # ------------------------------------------------------------------ the run
     def log(self, record: dict) -> None:
@@ -656,23 +555,33 @@ class Trainer:
                            if isinstance(v, (int, float)) and k != "iteration"}
                 self.accelerator.log(scalars, step=record["iteration"])
 
+    def eval_and_log(self, iteration: int) -> None:
+        metrics = self._everywhere_or_main(f"evaluation at {iteration}",
+                                           lambda: self.evaluate(iteration))
+        self.log({"iteration": iteration, "phase": "eval", **(metrics or {})})
+
     def train(self, resume: str | None = None) -> list[dict]:
         from tqdm.auto import tqdm
 
         cfg = self.config
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.accelerator.is_main_process:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.accelerator.wait_for_everyone()
         if resume:
             self.resume(resume)
-        if self.accelerator.is_main_process:
+
+        def start() -> None:
             dump_config(cfg, self.run_dir / "config.yaml")
             self._truncate_metrics(self.start_iteration)
+
+        self.main_only("writing the run folder", start)
         if self.tracker != "none":
             flat = {k: str(v) for k, v in _flatten(to_dict(cfg)).items()}
             self.accelerator.init_trackers(cfg.name, config=flat)
-        if self.start_iteration == 0 and self.accelerator.is_main_process:
-            self.log({"iteration": 0, "phase": "eval", **self.evaluate(0)})
+        if self.start_iteration == 0:
+            self.eval_and_log(0)
             if cfg.run.comparison_grid:
-                self.save_grid_samples("base")
+                self._everywhere_or_main("base grid samples", lambda: self.save_grid_samples("base"))
         bar = tqdm(range(self.start_iteration, cfg.run.max_iterations), initial=self.start_iteration,
                    total=cfg.run.max_iterations, disable=not (cfg.run.progress and
                                                             self.accelerator.is_main_process),
@@ -691,14 +600,12 @@ class Trainer:
                           f"(NaN); they were masked out of the advantages")
             last = done == cfg.run.max_iterations
             if (cfg.run.eval_every and done % cfg.run.eval_every == 0) or last:
-                if self.accelerator.is_main_process:
-                    self.log({"iteration": done, "phase": "eval", **self.evaluate(done)})
-                self.accelerator.wait_for_everyone()
+                self.eval_and_log(done)
             if (cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0) or last:
                 self.save(done)
         bar.close()
-        if cfg.run.comparison_grid and self.accelerator.is_main_process:
-            self.write_comparison_grid()
+        if cfg.run.comparison_grid:
+            self._everywhere_or_main("comparison grid", self.write_comparison_grid)
         if self.tracker != "none":
             self.accelerator.end_training()
         if self.accelerator.is_main_process:
@@ -729,10 +636,84 @@ class Trainer:
                 se = evals[-1].get(f"{key}/se")
                 parts.append(f"{key} {first:.3f} -> {evals[-1][key]:.3f}"
                              + (f" (se {se:.3f})" if se is not None else ""))
-        if (self.run_dir / "comparison.png").is_file():
-            parts.append(f"grid {self.run_dir / 'comparison.png'}")
+        for name in ("comparison.png", "comparison.md"):
+            if (self.run_dir / name).is_file():
+                parts.append(f"grid {self.run_dir / name}")
         parts.append(f"outputs in {self.run_dir}")
         print(" | ".join(parts), flush=True)
+
+
+# --------------------------------------------------------------------------- engines
+
+def engine_name(accelerator) -> str:
+    """'single' | 'ddp' | 'fsdp' | 'deepspeed' (other accelerate types by their lower-case name)."""
+    from accelerate.utils import DistributedType
+
+    kind = accelerator.distributed_type
+    if kind == DistributedType.FSDP:
+        return "fsdp"
+    if kind == DistributedType.DEEPSPEED:
+        return "deepspeed"
+    if accelerator.num_processes > 1:
+        return "ddp"
+    return "single"
+
+
+def preflight_engine(environ: dict[str, str] | None = None, cuda: bool | None = None) -> None:
+    """FSDP and DeepSpeed need GPUs (and DeepSpeed its package): say so in one clear error before
+    accelerate fails deep inside its setup. ``accelerate launch`` passes the engine in the
+    environment (ACCELERATE_USE_FSDP / ACCELERATE_USE_DEEPSPEED)."""
+    import os
+
+    environ = os.environ if environ is None else environ
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    for variable, engine in (("ACCELERATE_USE_FSDP", "FSDP"),
+                             ("ACCELERATE_USE_DEEPSPEED", "DeepSpeed")):
+        if environ.get(variable, "false").lower() not in ("true", "1"):
+            continue
+        if not cuda:
+            raise ConfigError(f"the accelerate config asks for {engine}, which needs CUDA GPUs, "
+                              f"and this machine has none: launch with configs/accelerate/ddp.yaml"
+                              f" (or without --config_file) to train on CPU processes")
+        if engine == "DeepSpeed":
+            try:
+                import deepspeed  # noqa: F401
+            except ImportError as err:
+                raise ConfigError("the accelerate config asks for DeepSpeed, which is not "
+                                  "installed: pip install deepspeed (on the GPU machine)") from err
+
+
+def check_engine(config: TrainConfig, accelerator) -> bool:
+    """What this trainer cannot do under the launched engine fails here, before any model loads
+    (not as a hang later). Returns whether parameters are sharded (FSDP, DeepSpeed ZeRO-3)."""
+    engine = engine_name(accelerator)
+    sharded = False
+    if engine == "fsdp":
+        sharded = True
+    elif engine == "deepspeed":
+        plugin = accelerator.state.deepspeed_plugin
+        sharded = int(plugin.zero_stage) == 3
+        config_dict = plugin.deepspeed_config
+        if str(config_dict.get("gradient_accumulation_steps", "auto")) not in ("auto", "1"):
+            raise ConfigError("the DeepSpeed config sets gradient_accumulation_steps; this trainer "
+                              "accumulates itself (training.gradient_accumulation_steps): set "
+                              "it to 1 or auto in the accelerate/DeepSpeed config")
+    if sharded:
+        t = config.training
+        if config.policy == "llm":
+            raise ConfigError(f"policy llm under {engine} with sharded parameters is not "
+                              f"supported (generation would need the full parameters on every "
+                              f"process): use DDP, or DeepSpeed ZeRO-2")
+        if t.ema.enabled:
+            raise ConfigError(f"training.ema is not supported under {engine} with sharded "
+                              f"parameters (each process holds a shard): set training.ema."
+                              f"enabled: false or use DDP / DeepSpeed ZeRO-2")
+        if t.kl_beta > 0 and not config.model.lora.enabled:
+            raise ConfigError(f"training.kl_beta > 0 with full fine-tuning keeps an unsharded "
+                              f"reference copy of the model on every process under {engine}: "
+                              f"use LoRA (the reference is the model without its adapter) or "
+                              f"kl_beta: 0")
+    return sharded
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict:

@@ -9,9 +9,11 @@ A spec is one of
   handles for every reward:
 
   =================  ============================================================================
-  ``device``         overrides ``load_reward(device=...)`` for this reward
+  ``device``         overrides ``load_reward(device=...)`` for this reward ("cpu", "cuda:1", ...);
+                     "auto" = the caller's device (the trainer passes each rank's GPU)
+  ``batch_size``     score at most this many images (frames) per model call on this process's
+                     device (each rank scores its own rows); None = all at once
   ``dtype``          overrides ``load_reward(dtype=...)``; "float32", "float16", "bfloat16"
-  ``batch_size``     score at most this many images (frames) per model call; None = all at once
   ``video_frames``   videos: score this many evenly spaced frames (None = every frame)
   ``video_aggregate``  videos: "mean" (default), "min" or "max" over the scored frames
   =================  ============================================================================
@@ -144,7 +146,9 @@ def load_reward(spec: str | dict, *, device: str | torch.device = "cpu",
                      and n not in ("device", "dtype"))
     if missing:
         raise ValueError(f"reward {name!r} requires option {missing[0]!r}")
-    resolved_device = torch.device(generic.get("device", device))
+    # "auto" (or no option) = the caller's device: the trainer passes each rank's accelerator.
+    asked = generic.get("device", "auto")
+    resolved_device = torch.device(device if asked == "auto" else asked)
     resolved_dtype = parse_dtype(generic.get("dtype", dtype))
     if "device" in params or takes_any:
         options.setdefault("device", resolved_device)

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from flowgrpo.commands import cell_caption, verdict_keys
+from flowgrpo.grids import cell_caption, verdict_keys
 from flowgrpo.prompts import comparison_prompts
 
 
@@ -85,10 +85,10 @@ def test_comparison_grid_rows_noise_and_verdicts(tiny_sd3_path, tmp_path, monkey
     from flowgrpo.rollout import sample_ode
 
     prompts = ["a red square", "a blue circle", "a green cat", "two dogs"]
-    noise, steps = trainer.eval_noise(4), trainer.config.sampling.eval_num_steps
+    noise, steps = trainer.policy.eval_noise(4), trainer.config.sampling.eval_num_steps
     with torch.no_grad():
         assert torch.allclose(sample_ode(trainer.model, prompts, noise, steps, 1.0), final, atol=1e-5)
-        with trainer.reference_policy():
+        with trainer.policy.reference_policy():
             assert torch.allclose(sample_ode(trainer.model, prompts, noise, steps, 1.0), base,
                                   atol=1e-5)
     assert not torch.equal(base, final)         # training moved the model

@@ -10,11 +10,12 @@ import pytest
 import torch
 
 from flowgrpo.config import ConfigError, load_config
-from flowgrpo.llm import (LLMTrainer, SeededSampler, TextRewards, build_char_tokenizer,
+from flowgrpo.llm import (SeededSampler, TextRewards, build_char_tokenizer,
                           generate_completions, overlong_penalty, pad_replay_inputs, token_logp,
                           top_p_filter, validate_llm_config, zero_variance_groups)
 from flowgrpo.prompts import sample_groups
-from flowgrpo.rollout import seeded_generator
+from flowgrpo.seeding import seeded_generator
+from flowgrpo.trainer import Trainer
 from reward_models.text import (ExactMatchReward, LengthReward, RegexFormatReward,
                                 extract_answer, normalize_answer)
 from tests.helpers import free_port
@@ -120,7 +121,7 @@ VARIANTS = {
 @pytest.mark.parametrize("variant", sorted(VARIANTS) + ["gpt2"])
 def test_ratio_is_one_on_first_pass(variant, tiny_lm_path, tiny_gpt2_path, prompts_path, tmp_path):
     path = tiny_gpt2_path if variant == "gpt2" else tiny_lm_path
-    trainer = LLMTrainer(llm_config(path, prompts_path, tmp_path, *VARIANTS.get(variant, [])))
+    trainer = Trainer(llm_config(path, prompts_path, tmp_path, *VARIANTS.get(variant, [])))
     metrics = trainer.run_iteration(0)
     assert metrics["train/replay_batches"] == 2
     assert metrics["train/first_pass_ratio_max_dev"] == 0.0
@@ -128,7 +129,7 @@ def test_ratio_is_one_on_first_pass(variant, tiny_lm_path, tiny_gpt2_path, promp
 
 
 def test_kl_is_zero_at_the_reference_and_grows(tiny_lm_path, prompts_path, tmp_path):
-    trainer = LLMTrainer(llm_config(tiny_lm_path, prompts_path, tmp_path, "training.kl_beta=0.1",
+    trainer = Trainer(llm_config(tiny_lm_path, prompts_path, tmp_path, "training.kl_beta=0.1",
                                     "model.lora.init=default", "training.lr=0.05"))
     first = trainer.run_iteration(0)
     assert first["train/kl"] == 0.0            # LoRA B = 0: policy == reference
@@ -138,7 +139,7 @@ def test_kl_is_zero_at_the_reference_and_grows(tiny_lm_path, prompts_path, tmp_p
 
 @pytest.mark.parametrize("sign", [1.0, -1.0])
 def test_advantage_sign_moves_token_log_probs(sign, tiny_lm_path, prompts_path, tmp_path):
-    trainer = LLMTrainer(llm_config(tiny_lm_path, prompts_path, tmp_path, "training.lr=1e-2",
+    trainer = Trainer(llm_config(tiny_lm_path, prompts_path, tmp_path, "training.lr=1e-2",
                                     "training.clip_low=1.0", "training.clip_high=10",
                                     "training.max_grad_norm=0"))
     batch, _, _ = trainer.rollout_and_score(0)
@@ -268,7 +269,7 @@ def test_overlong_is_its_own_component_for_gdpo():
 
 
 def test_mask_truncated_removes_truncated_completions(tiny_lm_path, prompts_path, tmp_path):
-    trainer = LLMTrainer(llm_config(tiny_lm_path, prompts_path, tmp_path, "llm.mask_truncated=true",
+    trainer = Trainer(llm_config(tiny_lm_path, prompts_path, tmp_path, "llm.mask_truncated=true",
                                     "llm.max_new_tokens=3"))
     batch, _, _ = trainer.rollout_and_score(0)
     for replay in batch.replay:
@@ -287,7 +288,7 @@ def test_dynamic_sampling_refills_flat_groups(tiny_lm_path, prompts_path, tmp_pa
     records = [json.loads(line) for line in Path(prompts_path).read_text().splitlines()]
     seed = next(s for s in range(100)
                 if any(r["metadata"]["a"] % 2 == 0 for r in sample_groups(records, 4, s, 0)))
-    trainer = LLMTrainer(llm_config(tiny_lm_path, prompts_path, tmp_path, *overrides,
+    trainer = Trainer(llm_config(tiny_lm_path, prompts_path, tmp_path, *overrides,
                                     f"run.seed={seed}"))
     first = sample_groups(records, 4, seed, 0)
     batch, rewards, info = trainer.rollout_and_score(0)
@@ -302,12 +303,12 @@ def test_dynamic_sampling_refills_flat_groups(tiny_lm_path, prompts_path, tmp_pa
 
 
 def test_dapo_token_normaliser_is_mean_tokens_per_replay(tiny_lm_path, prompts_path, tmp_path):
-    trainer = LLMTrainer(llm_config(tiny_lm_path, prompts_path, tmp_path, "llm.aggregation=dapo"))
+    trainer = Trainer(llm_config(tiny_lm_path, prompts_path, tmp_path, "llm.aggregation=dapo"))
     batch, _, _ = trainer.rollout_and_score(0)
-    weights = trainer.step_weights(batch.replay)
+    weights = trainer.policy.step_weights(batch.replay)
     assert all(torch.equal(w, torch.ones(4)) for w in weights)
     tokens = sum(float(r.completion_mask.sum()) for r in batch.replay)
-    assert trainer.tokens_per_replay == tokens / len(batch.replay)
+    assert trainer.policy.tokens_per_replay == tokens / len(batch.replay)
 
 
 # --------------------------------------------------------------------------- text rewards
@@ -365,7 +366,7 @@ def test_text_rewards_resolve_names_paths_and_check_options():
 ])
 def test_llm_config_errors_name_the_field(override, field, tiny_lm_path, prompts_path, tmp_path):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
-        LLMTrainer(llm_config(tiny_lm_path, prompts_path, tmp_path, override))
+        Trainer(llm_config(tiny_lm_path, prompts_path, tmp_path, override))
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in (ASSET.parents[1] / "configs").glob("llm_*.yaml")))
@@ -383,7 +384,7 @@ def test_lora_checkpoint_loads_with_peft_and_matches_the_policy(tiny_lm_path, pr
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    trainer = LLMTrainer(llm_config(tiny_lm_path, prompts_path, tmp_path, "run.max_iterations=2",
+    trainer = Trainer(llm_config(tiny_lm_path, prompts_path, tmp_path, "run.max_iterations=2",
                                     "model.lora.init=default", "training.lr=0.05"))
     history = trainer.train()
     folder = trainer.run_dir / "checkpoints" / "2"
@@ -408,7 +409,7 @@ def test_lora_checkpoint_loads_with_peft_and_matches_the_policy(tiny_lm_path, pr
 def test_full_checkpoint_loads_with_auto_model(tiny_lm_path, prompts_path, tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    trainer = LLMTrainer(llm_config(tiny_lm_path, prompts_path, tmp_path,
+    trainer = Trainer(llm_config(tiny_lm_path, prompts_path, tmp_path,
                                     "model.lora.enabled=false", "training.lr=1e-2"))
     trainer.train()
     folder = trainer.run_dir / "checkpoints" / "1"
@@ -423,12 +424,12 @@ def test_full_checkpoint_loads_with_auto_model(tiny_lm_path, prompts_path, tmp_p
 def test_resume_continues_from_the_checkpoint(tiny_lm_path, prompts_path, tmp_path):
     overrides = ["run.max_iterations=2", "run.checkpoint_every=1", "model.lora.init=default",
                  "run.eval_every=0", "prompts.eval=null"]
-    straight = LLMTrainer(llm_config(tiny_lm_path, prompts_path, tmp_path / "a", *overrides))
+    straight = Trainer(llm_config(tiny_lm_path, prompts_path, tmp_path / "a", *overrides))
     straight.train()
-    first = LLMTrainer(llm_config(tiny_lm_path, prompts_path, tmp_path / "b", *overrides[1:],
+    first = Trainer(llm_config(tiny_lm_path, prompts_path, tmp_path / "b", *overrides[1:],
                                   "run.max_iterations=1"))
     first.train()
-    resumed = LLMTrainer(llm_config(tiny_lm_path, prompts_path, tmp_path / "b", *overrides))
+    resumed = Trainer(llm_config(tiny_lm_path, prompts_path, tmp_path / "b", *overrides))
     resumed.train(resume="latest")
     for name, param in straight.trainable.items():
         torch.testing.assert_close(resumed.trainable[name], param, atol=1e-6, rtol=0)
@@ -439,9 +440,9 @@ def test_resume_continues_from_the_checkpoint(tiny_lm_path, prompts_path, tmp_pa
 WORKER = """
 import json, sys, torch
 from flowgrpo.config import load_config
-from flowgrpo.llm import LLMTrainer
+from flowgrpo.trainer import Trainer
 torch.set_num_threads(1)
-trainer = LLMTrainer(load_config(sys.argv[1]))
+trainer = Trainer(load_config(sys.argv[1]))
 batch, rewards, info = trainer.rollout_and_score(0)
 advantages, _ = trainer.compute_advantages(batch, rewards)
 acc = trainer.accelerator
@@ -513,6 +514,6 @@ def test_grpo_raises_heldout_accuracy_of_the_pretrained_lm(tmp_path):
         f"prompts.eval={ASSET / 'heldout.jsonl'}", f"run.output_dir={tmp_path}",
         "run.max_iterations=80", "run.eval_every=0", "run.checkpoint_every=0",
         "run.progress=false"])
-    history = LLMTrainer(config).train()
+    history = Trainer(config).train()
     evals = [h["eval/accuracy"] for h in history if h["phase"] == "eval"]
     assert evals[-1] >= evals[0] + 0.08, evals

@@ -1,5 +1,6 @@
-"""Two processes (accelerate launch, gloo on CPU) compute the same advantages as one process on the
-same rollouts: rewards are gathered, groups span processes, noise is seeded per sample."""
+"""Two processes (accelerate launch, gloo on CPU) against one: the same advantages on the same
+rollouts (rewards gathered, groups spanning processes, noise seeded per sample), the same weights
+after training under DDP, and an error on the main process ending every process."""
 import json
 import os
 import subprocess
@@ -29,17 +30,26 @@ def write_config(path: Path, model_path: str, tmp: Path) -> None:
     }))
 
 
-def launch(num_processes: int, config: Path, out: Path) -> dict:
+def run_launch(num_processes: int, script: str, *args: str, timeout: int = 300
+               ) -> subprocess.CompletedProcess:
     # torchrun-style launch of CPU processes: accelerate picks gloo when ACCELERATE_USE_CPU is set.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "ACCELERATE_USE_CPU": "true"}
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu" if num_processes > 1 else "--cpu",
            "--num_processes", str(num_processes), "--num_machines", "1",
            "--main_process_port", str(free_port()), "--mixed_precision", "no",
-           "--dynamo_backend", "no", str(ROOT / "tests" / "mp_advantages.py"), str(config), str(out)]
-    result = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+           "--dynamo_backend", "no", str(ROOT / "tests" / script), *args]
+    return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def errors_of(result: subprocess.CompletedProcess) -> str:
     # progress bars fill stderr; keep the rest, so that a failure shows its cause
-    errors = "\n".join(line for line in result.stderr.splitlines() if "it/s]" not in line)
-    assert result.returncode == 0, errors[-6000:]
+    return "\n".join(line for line in result.stderr.splitlines() if "it/s]" not in line)
+
+
+def launch(num_processes: int, config: Path, out: Path, script: str = "mp_advantages.py",
+           *before: str) -> dict:
+    result = run_launch(num_processes, script, *before, str(config), str(out))
+    assert result.returncode == 0, errors_of(result)[-6000:]
     return json.loads(out.read_text())
 
 
@@ -55,3 +65,95 @@ def test_two_processes_match_one(tiny_sd3_path, tmp_path):
     assert one["advantages"] == pytest.approx(two["advantages"], abs=1e-5)
     # Not trivially equal: the advantages carry signal.
     assert max(abs(a) for a in one["advantages"]) > 0.5
+
+
+def train_config(path: Path, tmp: Path, name: str, model: dict, **training) -> None:
+    (tmp / "prompts.txt").write_text("a red square\na blue circle\na green cat\n")
+    path.write_text(yaml.safe_dump({
+        "name": name,
+        "model": model,
+        "prompts": {"train": str(tmp / "prompts.txt"), "eval": None},
+        "sampling": {"num_steps": 3, "rollout_batch_size": 2, "guidance_scale": 1.0},
+        # 2 groups of 4: one group per process. 2 inner epochs of one optimiser step each: the
+        # second replays off-policy (ratios != 1), and each step accumulates every replay batch
+        # of the process, all but the last without gradient sync.
+        "training": {"prompts_per_iteration": 2, "group_size": 4, "lr": 1e-3,
+                     "skip_zero_std_groups": False, "num_inner_epochs": 2,
+                     "max_grad_norm": 0.0, **training},
+        "rewards": {"components": [{"name": "tests.helpers:Brightness"}], "threaded": False},
+        "run": {"output_dir": str(tmp / "runs"), "tracker": "none", "progress": False,
+                "max_iterations": 3, "eval_every": 0, "checkpoint_every": 0,
+                "comparison_grid": False},
+    }))
+
+
+def final_weights(tmp: Path, name: str) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(tmp / "runs" / name / "checkpoints" / "3" / "trainable.safetensors"))
+
+
+def assert_same_weights(one: dict, two: dict, start: dict | None = None) -> None:
+    import torch
+
+    assert one.keys() == two.keys()
+    for name in one:
+        # DDP averages the two processes' gradients, one process sums the same terms in another
+        # order: float32 rounding, then three Adam steps (which divide by the gradient's size).
+        assert torch.allclose(one[name], two[name], atol=2e-5, rtol=1e-4), name
+    moved = max(float((one[n] - start[n]).abs().max()) for n in one) if start else 1.0
+    assert moved > 1e-3   # not trivially equal: training moved the weights
+
+
+@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
+def test_ddp_two_processes_train_the_same_weights_as_one(tiny_sd3_path, tmp_path, lora):
+    """3 iterations of tiny SD3 on 1 and on 2 processes end with the same weights; on 2 the
+    trainable parameters are those of the DDP wrapper (gradients all-reduced by DDP)."""
+    model = {"family": "sd3", "path": tiny_sd3_path, "options": {"height": 32, "width": 32},
+             "lora": {"enabled": lora, "rank": 4, "alpha": 8}}
+    for processes in (1, 2):
+        folder = tmp_path / str(processes)
+        folder.mkdir()
+        train_config(folder / "c.yaml", folder, "ddp", model)
+        record = launch(processes, folder / "c.yaml", folder / "out.json", "mp_train.py", "train")
+        assert record["num_processes"] == processes
+        assert record["first_pass_ratio_max_dev"] == [0.0, 0.0, 0.0]
+        assert record["optimizer_steps"] == [2, 2, 2]
+        if processes == 2:
+            assert record["engine"] == "ddp"
+            assert record["wrapper"] == "DistributedDataParallel"
+            assert record["wrapped_parameters"] == record["trainable"]
+    assert_same_weights(final_weights(tmp_path / "1", "ddp"), final_weights(tmp_path / "2", "ddp"))
+
+
+@pytest.mark.slow
+def test_ddp_two_processes_train_the_toy_model_like_one(tmp_path):
+    """The same on the embedded toy model (full fine-tuning, as the default config)."""
+    model = {"family": "toy", "path": str(ROOT / "assets" / "toy"), "lora": {"enabled": False}}
+    for processes in (1, 2):
+        folder = tmp_path / str(processes)
+        folder.mkdir()
+        train_config(folder / "c.yaml", folder, "toy", model)
+        record = launch(processes, folder / "c.yaml", folder / "out.json", "mp_train.py", "train")
+        assert record["first_pass_ratio_max_dev"] == [0.0, 0.0, 0.0]
+    assert_same_weights(final_weights(tmp_path / "1", "toy"), final_weights(tmp_path / "2", "toy"))
+
+
+def test_error_on_the_main_process_during_save_ends_every_process(tiny_sd3_path, tmp_path):
+    """The main process fails while checkpointing; the other process must not wait in a barrier
+    until the process group times out (30 min): both exit, naming the error, within seconds."""
+    import time
+
+    model = {"family": "sd3", "path": tiny_sd3_path, "options": {"height": 32, "width": 32},
+             "lora": {"rank": 4, "alpha": 8}}
+    train_config(tmp_path / "c.yaml", tmp_path, "fail", model)
+    began = time.perf_counter()
+    result = run_launch(2, "mp_train.py", "fail_save", str(tmp_path / "c.yaml"),
+                        str(tmp_path / "out.json"), timeout=240)
+    assert result.returncode != 0
+    errors = errors_of(result)
+    assert "disk full while saving (injected by the test)" in errors
+    # the other rank names the main process's error instead of timing out
+    assert "the main process failed in checkpoint 3: OSError: disk full" in errors
+    assert time.perf_counter() - began < 120
+    assert not (tmp_path / "out.json").exists()

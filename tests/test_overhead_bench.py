@@ -46,12 +46,14 @@ def test_model_clock_sees_every_transformer_call_and_no_more(bench, tiny_sd3_pat
             result["plain_wall"][phase] / clock.total(which), rel=1e-9)
 
 
+@pytest.mark.slow   # op counts depend on the torch build: a guard for benchmark work, not CI
 def test_op_census_counts_our_ops_apart_from_the_transformers(bench, tiny_sd3_path, tmp_path):
     """A regression guard on the loop's own cost, in units that do not depend on machine load:
     at CPU sizes each op costs a few microseconds whatever its size, so the ops our code issues
     per replay batch set the overhead's floor. Measured with torch 2.14.1: 63 forward ops and 3
     backward nodes of ours against 360 and 358 of the transformer, full plan (65 and 4 before
-    the loss's division became backward()'s seed)."""
+    the loss's division became backward()'s seed); accelerator.backward adds its division by
+    its accumulation count (1 here): one op and one node."""
     from flowgrpo.trainer import Trainer
 
     args = argparse.Namespace(size=32, steps=10, group_size=4, prompts=2, threads=1, iterations=1)
@@ -59,8 +61,8 @@ def test_op_census_counts_our_ops_apart_from_the_transformers(bench, tiny_sd3_pa
     trainer.run_iteration(0)
     counts = bench.op_census(trainer, 1)
     assert counts["model_forward"] > 200 and counts["model_backward"] > 200   # scope attached
-    assert 0 < counts["ours_forward"] <= 66, counts
-    assert 0 < counts["ours_backward"] <= 3, counts
+    assert 0 < counts["ours_forward"] <= 67, counts
+    assert 0 < counts["ours_backward"] <= 4, counts
     ours = counts["ours_forward"] + counts["ours_backward"]
     assert ours / (counts["model_forward"] + counts["model_backward"]) < 0.10
 

@@ -173,7 +173,8 @@ def test_eval_config_samples_per_prompt_uses_the_configs_prompts_and_eval_noise(
     import yaml
 
     from flowgrpo.cli import main
-    from flowgrpo.rollout import sample_ode, seeded_generator
+    from flowgrpo.rollout import sample_ode
+    from flowgrpo.seeding import seeded_generator
     from pipelines import load_model
     from tests.verdict_rewards import parity_bit
 

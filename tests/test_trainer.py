@@ -82,7 +82,7 @@ def test_first_pass_deviation_reports_a_policy_change_before_the_update(tiny_sd3
 def test_negative_step_weights_are_refused_once_per_update(tiny_sd3_path, tmp_path, monkeypatch):
     """The loss skips its per-call weight check (a host sync on GPU) because step_weights
     checks the iteration's weights once."""
-    import flowgrpo.trainer as trainer_module
+    import flowgrpo.flow_policy as trainer_module
 
     monkeypatch.setattr(trainer_module, "rectification_weights",
                         lambda sigmas, sigmas_next, std, normalize:
@@ -125,7 +125,7 @@ def test_advantage_sign_moves_log_prob(sign, guard, tiny_sd3_path, tmp_path):
     advantages = torch.full((len(batch.prompts),), sign)
     before = torch.cat([r.logp_old for r in batch.replay])
     trainer.update(batch, advantages, 0)
-    settings = trainer.settings(0)
+    settings = trainer.policy.settings(0)
     cond = trainer.model.encode_prompts(batch.prompts)
     from flowgrpo.rollout import replay_logp
 
@@ -234,7 +234,7 @@ def test_each_optimiser_step_sees_the_mean_gradient_of_its_replay_batches(tiny_s
     """Gradient accumulation: the gradient handed to an optimiser step is the mean of the loss
     gradients of the replay batches in its window (1 / window is backward()'s seed), for one
     window of all replay batches (0) and for windows of 2."""
-    from flowgrpo.rollout import seeded_generator
+    from flowgrpo.seeding import seeded_generator
 
     trainer = Trainer(tiny_config(tiny_sd3_path, tmp_path, "training.skip_zero_std_groups=false",
                                   f"training.gradient_accumulation_steps={accumulation}"))
@@ -246,18 +246,18 @@ def test_each_optimiser_step_sees_the_mean_gradient_of_its_replay_batches(tiny_s
     def capture() -> float:          # no optimiser step: every window sees the same weights
         stepped.append({n: trainer.trainable[n].grad.clone() for n in names})
         trainer.optimizer.zero_grad(set_to_none=True)
-        return 0.0
+        return 0.0, True
 
     monkeypatch.setattr(trainer, "optimizer_step", capture)
     trainer.update(batch, advantages, 0)
 
     t = trainer.config.training
     replays = batch.replay
-    weights = trainer.step_weights(replays)
+    weights = trainer.policy.step_weights(replays)
     params = [trainer.trainable[n] for n in names]
     per_replay = []
     for replay, weight in zip(replays, weights):
-        loss, _ = trainer.replay_loss(batch, replay, advantages, trainer.settings(0), t.clip_low, weight)
+        loss, _ = trainer.policy.replay_loss(batch, replay, advantages, 0, t.clip_low, weight)
         per_replay.append(torch.autograd.grad(loss, params))
     window = accumulation or len(replays)
     order = torch.randperm(len(replays), generator=seeded_generator(

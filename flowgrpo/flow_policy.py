@@ -1,0 +1,360 @@
+"""The flow-matching policy: a FlowModel (SD3, FLUX.1, Wan2.1, toy) as an MDP over denoising steps.
+
+Rollouts follow each group's StepPlan (``plans.py``) with SDE/ODE transitions (``sde.py``) and keep
+every trained transformer call as a replay batch (``rollout.py``); the loss of a replay batch is
+the clipped surrogate on its exact Gaussian log-probs (``losses.py``), plus GRPO-Guard's ratio
+normalisation and step weights, Flash-GRPO's rectification and the KL to the reference.
+"""
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from torch import Tensor, nn
+
+from flowgrpo.config import TrainConfig
+from flowgrpo.losses import (check_weights, flow_kl, guard_log_ratio, guard_step_weights,
+                             policy_loss, rectification_weights, surrogate_stats)
+from flowgrpo.passk import family_mean_se, mean_and_se
+from flowgrpo.plans import make_plan
+from flowgrpo.policy import (DTYPES, Through, float32_trainable, frozen_reference,
+                             swapped_attribute)
+from flowgrpo.prompts import eval_selection
+from flowgrpo.rollout import RolloutBatch, RolloutSettings, replay_logp, rollout, sample_ode
+from flowgrpo.seeding import seeded_generator
+
+
+def _mean(values: list[float]) -> float:
+    return float(sum(values) / len(values)) if values else float("nan")
+
+
+def load_rewards(config: TrainConfig, device: torch.device):
+    """The MultiReward of the config's components on ``device`` (each rank's accelerator by
+    default; a component's own ``device`` option wins, ``device: auto`` means this one)."""
+    from reward_models import MultiReward
+
+    return MultiReward.from_config(
+        [{"name": c.name, "weight": c.weight, **c.options} for c in config.rewards.components],
+        aggregation=config.rewards.aggregation, device=device)
+
+
+class FlowPolicy:
+    """GRPO on a FlowModel. ``model`` is the FlowModel, ``module`` its transformer (what trains)."""
+
+    def __init__(self, config: TrainConfig, accelerator: Accelerator, train_records: list[dict],
+                 model=None) -> None:
+        self.config = config
+        self.accelerator = accelerator
+        # Cheap things first: a bad reward name fails before the model loads.
+        self.reward = load_rewards(config, accelerator.device)
+        m = config.model
+        if model is None:
+            from pipelines import load_model
+
+            model = load_model(m.family, m.path, dtype=DTYPES[m.dtype], device=accelerator.device,
+                               options=dict(m.options))
+        self.model = model
+        self.module: nn.Module = model.transformer
+        self.trainable = self._setup_trainable(model.lora_target_modules)
+        self.reference_module = frozen_reference(config, self.module)
+        self.base_sigmas = model.sigmas(config.sampling.num_steps)
+        self.engine_module: nn.Module = self.module
+        self._cond_batch = None
+
+    def _setup_trainable(self, default_targets: list[str]) -> dict[str, nn.Parameter]:
+        m = self.config.model
+        self.module.requires_grad_(False)
+        if m.gradient_checkpointing:
+            if hasattr(self.module, "gradient_checkpointing_enable"):
+                self.module.gradient_checkpointing_enable()
+            else:
+                self.module.enable_gradient_checkpointing()
+        if not m.lora.enabled:
+            self.module.requires_grad_(True)
+            return {n: p for n, p in self.module.named_parameters() if p.requires_grad}
+        from peft import LoraConfig
+
+        self.module.add_adapter(LoraConfig(
+            r=m.lora.rank, lora_alpha=m.lora.alpha,
+            target_modules=m.lora.target_modules or default_targets,
+            init_lora_weights="gaussian" if m.lora.init == "gaussian" else True))
+        return float32_trainable(self.module)
+
+    def bind(self, engine_module: nn.Module, sharded: bool) -> None:
+        self.engine_module = engine_module
+        if sharded and engine_module is not self.module:
+            # Sharded parameters: sampling and evaluation must gather them through the engine too.
+            self.model.transformer = Through(engine_module, self.module)
+
+    @contextmanager
+    def training_forward(self):
+        """The transformer calls of a replay go through the engine (DDP's gradient hooks)."""
+        if self.engine_module is self.module or isinstance(self.model.transformer, Through):
+            yield
+        else:
+            with swapped_attribute(self.model, "transformer", Through(self.engine_module,
+                                                                      self.module)):
+                yield
+
+    @contextmanager
+    def reference_policy(self):
+        """The KL reference: the transformer with LoRA disabled, or the frozen copy kept for full
+        fine-tuning."""
+        if self.reference_module is not None:
+            with swapped_attribute(self.model, "transformer", self.reference_module):
+                yield
+        else:
+            self.module.disable_adapters()
+            try:
+                yield
+            finally:
+                self.module.enable_adapters()
+
+    def settings(self, iteration: int) -> RolloutSettings:
+        s = self.config.sampling
+        return RolloutSettings(kind=s.kind, noise_level=s.noise_level,
+                               guidance_scale=s.guidance_scale, batch_size=s.rollout_batch_size,
+                               share_initial_noise=s.share_initial_noise, seed=self.config.run.seed,
+                               iteration=iteration)
+
+    # ------------------------------------------------------------------ rollout
+    def rollout(self, records: list[dict], group_ids: Tensor, sample_ids: Tensor, iteration: int
+                ) -> tuple[RolloutBatch, dict[str, Tensor], dict[str, float]]:
+        """Roll out the rows along their groups' plans; with ``rewards.threaded`` each rollout
+        batch is scored in a thread while the next one samples."""
+        prompts = [r["prompt"] for r in records]
+        metadata = [r["metadata"] for r in records]
+        plans = {int(g): make_plan(self.config.sampling.plan, self.base_sigmas, iteration, int(g),
+                                   self.config.run.seed) for g in group_ids.unique()}
+        futures: list[tuple[Tensor, Future]] = []
+        reward_seconds: list[float] = []
+        executor = ThreadPoolExecutor(max_workers=1) if self.config.rewards.threaded else None
+
+        def score(rows: Tensor, media: Tensor) -> dict[str, Tensor]:
+            began = time.perf_counter()
+            picked = rows.tolist()    # iterating the tensor would make a 0-d tensor per row
+            out = self.reward(media, [prompts[i] for i in picked], [metadata[i] for i in picked])
+            reward_seconds.append(time.perf_counter() - began)
+            return out
+
+        def on_media(rows: Tensor, media: Tensor) -> None:
+            if executor is not None:
+                futures.append((rows, executor.submit(score, rows, media)))
+            else:
+                done: Future = Future()
+                done.set_result(score(rows, media))
+                futures.append((rows, done))
+
+        began = time.perf_counter()
+        with torch.no_grad(), self.accelerator.autocast():
+            batch = rollout(self.model, prompts, metadata, group_ids, sample_ids, plans,
+                            self.settings(iteration), on_media=on_media)
+        rollout_seconds = time.perf_counter() - began
+        began = time.perf_counter()
+        rewards: dict[str, Tensor] = {}
+        try:
+            for rows, future in futures:
+                for name, values in future.result().items():
+                    if name not in rewards:
+                        rewards[name] = torch.full((len(prompts),), float("nan"))
+                    rewards[name][rows] = values.float().cpu()
+        finally:
+            if executor is not None:
+                executor.shutdown()
+        timing = {"time/rollout": rollout_seconds, "time/reward_wait": time.perf_counter() - began,
+                  "time/reward_compute": sum(reward_seconds)}
+        return batch, rewards, timing
+
+    # ------------------------------------------------------------------ loss
+    def step_weights(self, replays: list) -> list[Tensor]:
+        """Per-row loss weights of each replay batch: GRPO-Guard's 1/dt and/or Flash-GRPO's kappa,
+        normalised by their mean over the iteration's trained transitions (a replay batch holds a
+        single step, so normalising within it would make every weight 1)."""
+        t = self.config.training
+        raw = []
+        for replay in replays:
+            weights = torch.ones_like(replay.logp_old)
+            if t.dt_reweight:
+                weights = weights * guard_step_weights(replay.sigmas, replay.sigmas_next,
+                                                       normalize=False)
+            if t.rectification:
+                weights = weights * rectification_weights(replay.sigmas, replay.sigmas_next,
+                                                          replay.std, normalize=False)
+            raw.append(weights)
+        if raw and (t.dt_reweight or t.rectification):
+            mean = torch.cat(raw).mean()
+            raw = [w / mean for w in raw]
+            check_weights(torch.cat(raw))   # once here, so the loss skips it per replay batch
+        return raw
+
+    def replay_condition(self, batch: RolloutBatch, replay):
+        """Prompt embeddings of a replay batch's rows; the batch's unique prompts are encoded once
+        per update and rows are picked from them. The rollout hands every step of a chunk the
+        same ``rows`` tensor, so a selection is made once per chunk and reused for its steps."""
+        if self._cond_batch is not batch:
+            unique = list(dict.fromkeys(batch.prompts))
+            self._cond_unique = self.model.encode_prompts(unique).to(self.model.device)
+            self._cond_index = torch.tensor([unique.index(p) for p in batch.prompts])
+            self._cond_batch = batch
+            self._cond_by_rows = {}
+        # Keyed by the tensor's id: the batch keeps every rows tensor alive, so an id cannot be
+        # reused while this cache (reset with the batch) is in use.
+        key = id(replay.rows)
+        if key not in self._cond_by_rows:
+            self._cond_by_rows[key] = self._cond_unique.select(self._cond_index[replay.rows])
+        return self._cond_by_rows[key]
+
+    def replay_loss(self, batch: RolloutBatch, replay, advantages: Tensor, iteration: int,
+                    clip_high: float, weights: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        """The loss of one replay batch: surrogate (+ Guard / rectification weights) + KL.
+        Returns the loss and a record of detached tensors for ``update_metrics``: per row
+        ``log_ratio`` (the one the loss used), ``advantages`` and ``weights``; 0-d
+        ``ratio_max_dev`` (max |exp(logp - logp_old) - 1|, exactly 0 on the first pass),
+        ``policy_loss`` (and ``kl``)."""
+        cond = self.replay_condition(batch, replay)
+        t = self.config.training
+        settings = self.settings(iteration)
+        with self.training_forward():
+            logp, mean = replay_logp(self.model, replay, cond, settings)
+        adv = advantages[replay.rows]
+        adv = adv if adv.device == logp.device else adv.to(logp.device)
+        raw_log_ratio = logp.detach() - replay.logp_old
+        log_ratio = guard_log_ratio(logp, replay.logp_old, mean, replay.mean_old, replay.std) \
+            if t.ratio_norm else None
+        loss, _ = policy_loss(logp, replay.logp_old, adv, t.clip_low, clip_high,
+                              weights=weights, log_ratio=log_ratio, with_stats=False,
+                              validate=False)
+        record = {"log_ratio": raw_log_ratio if log_ratio is None else log_ratio.detach(),
+                  "advantages": adv, "weights": weights,
+                  "ratio_max_dev": torch.expm1(raw_log_ratio).abs().max(),
+                  "policy_loss": loss.detach()}
+        if t.kl_beta > 0:
+            with torch.no_grad(), self.reference_policy():
+                _, mean_ref = replay_logp(self.model, replay, cond, settings)
+            kl = flow_kl(mean, mean_ref, replay.std).mean()
+            loss = loss + t.kl_beta * kl
+            record["kl"] = kl.detach()
+        return loss, record
+
+    def update_metrics(self, rows: dict[str, Tensor], clip_high: float) -> dict[str, Tensor]:
+        """``surrogate_stats`` over every trained row, and the mean policy loss (and KL)."""
+        if not rows:
+            return {}
+        stats = surrogate_stats(rows["log_ratio"], rows["advantages"],
+                                self.config.training.clip_low, clip_high, rows["weights"])
+        stats["policy_loss"] = rows["policy_loss"].float().mean()
+        if "kl" in rows:
+            stats["kl"] = rows["kl"].float().mean()
+        return stats
+
+    # ------------------------------------------------------------------ evaluation
+    def eval_noise(self, count: int) -> Tensor:
+        """Initial noise of evaluation sample i: seeded by (seed, "eval", i), the same at every
+        evaluation of the run and in ``flowgrpo eval``."""
+        return torch.cat([self.model.initial_noise(1, seeded_generator(self.config.run.seed,
+                                                                       "eval", i))
+                          for i in range(count)])
+
+    def _sample(self, prompts: list[str], batch_size: int | None = None) -> Tensor:
+        s = self.config.sampling
+        guidance = s.guidance_scale if s.eval_guidance_scale is None else s.eval_guidance_scale
+        with torch.no_grad(), self.accelerator.autocast():
+            return sample_ode(self.model, prompts, self.eval_noise(len(prompts)), s.eval_num_steps,
+                              guidance, **({"batch_size": batch_size} if batch_size else {}))
+
+    def evaluate(self, records: list[dict], iteration: int, out_dir: Path | None
+                 ) -> dict[str, float]:
+        """Deterministic-sampler rewards on the held-out prompts (``eval_selection``): the mean of
+        every component with its standard error, per task family and their mean (GenEval's
+        overall score). Saves the first 64 images to ``out_dir/eval_<iteration>.png``."""
+        p = self.config.prompts
+        records = eval_selection(records, p.eval_per_family, p.eval_seeds)
+        if not records:
+            return {}
+        prompts = [r["prompt"] for r in records]
+        metadata = [r["metadata"] for r in records]
+        media = self._sample(prompts, max(self.config.sampling.rollout_batch_size, 16))
+        scores = self.reward(media, prompts, metadata)
+        metrics: dict[str, float] = {}
+        families = sorted({str(m.get("family")) for m in metadata if m.get("family")})
+        for name, values in scores.items():
+            valid = values[~values.isnan()]
+            metrics[f"eval/{name}"] = float(valid.mean()) if len(valid) else float("nan")
+            metrics[f"eval/{name}/se"] = mean_and_se(valid)[1]
+            per_family, per_family_se = [], []
+            for family in families:
+                mask = torch.tensor([m.get("family") == family for m in metadata]) & ~values.isnan()
+                if mask.any():
+                    metrics[f"eval/{name}/{family}"] = float(values[mask].mean())
+                    metrics[f"eval/{name}/{family}/se"] = mean_and_se(values[mask])[1]
+                    per_family.append(metrics[f"eval/{name}/{family}"])
+                    per_family_se.append(metrics[f"eval/{name}/{family}/se"])
+            if per_family:
+                metrics[f"eval/{name}/family_mean"] = _mean(per_family)
+                metrics[f"eval/{name}/family_mean/se"] = family_mean_se(per_family_se)
+        if out_dir is not None:
+            from torchvision.utils import save_image
+
+            images = media[:64] if media.dim() == 4 else media[:16, 0]
+            out_dir.mkdir(parents=True, exist_ok=True)
+            save_image(images, out_dir / f"eval_{iteration:05d}.png", nrow=8)
+        return metrics
+
+    def save_grid_samples(self, records: list[dict], run_dir: Path, tag: str) -> None:
+        """Deterministic samples of the grid prompts as ``grid_<tag>.safetensors`` (survives a
+        resume, so the final grid compares with the run's true base)."""
+        from safetensors.torch import save_file
+
+        if records:
+            media = self._sample([r["prompt"] for r in records])
+            save_file({"media": media.contiguous()}, str(run_dir / f"grid_{tag}.safetensors"))
+
+    def write_comparison_grid(self, records: list[dict], run_dir: Path, final_label: str
+                              ) -> Path | None:
+        """``run_dir/comparison.png``: rows = held-out prompts, columns = base and final model from
+        the same noise, each cell captioned with the verifier's verdict (PASS / FAIL for a reward
+        whose scores are all 0 or 1) and the score of each reward."""
+        from safetensors.torch import load_file
+
+        from flowgrpo.grids import cell_caption, image_grid, verdict_keys
+
+        base_path = run_dir / "grid_base.safetensors"
+        if not base_path.is_file() or not records:
+            return None
+        self.save_grid_samples(records, run_dir, "final")
+        base = load_file(str(base_path))["media"]
+        final = load_file(str(run_dir / "grid_final.safetensors"))["media"]
+        if base.dim() != 4:
+            return None   # video runs: use `flowgrpo grid` for MP4 grids
+        prompts = [r["prompt"] for r in records]
+        metadata = [r["metadata"] for r in records]
+        scores = [self.reward(m, prompts, metadata) for m in (base, final)]
+        weights = self.reward.weights
+        verdicts = verdict_keys(scores, weights)
+        images = torch.stack([base, final], dim=1)
+        labels = [[cell_caption(scores[c], weights, r, verdict=verdicts) for c in range(2)]
+                  for r in range(len(records))]
+        rows = [f"{r['prompt']}\n({r['metadata']['family']})" if r["metadata"].get("family")
+                else r["prompt"] for r in records]
+        grid = image_grid(images, row_labels=rows, col_labels=["base", final_label],
+                          cell_labels=labels)
+        path = run_dir / "comparison.png"
+        grid.save(path)
+        return path
+
+    # ------------------------------------------------------------------ weights
+    def save_weights(self, folder: str, state_dict: dict[str, Tensor] | None = None) -> None:
+        """LoRA in the diffusers format (``pipe.load_lora_weights(folder)``), or the full
+        transformer under ``folder/transformer`` (``from_pretrained``-loadable)."""
+        from peft import get_peft_model_state_dict
+
+        if self.config.model.lora.enabled:
+            self.model.save_lora_weights(
+                folder, get_peft_model_state_dict(self.module, state_dict=state_dict))
+        else:
+            self.module.save_pretrained(Path(folder) / "transformer", state_dict=state_dict)
+

@@ -1,0 +1,129 @@
+"""What the training loop asks of a policy, and the pieces every policy shares.
+
+``Trainer`` (``flowgrpo/trainer.py``) is the generic loop: prompts, gather, advantages, the
+optimiser on accelerate's engine, EMA, checkpoints and logging. A *policy* is what differs between
+a flow-matching generator and a causal LM: how the model loads and what trains, how a batch of
+prompts becomes scored rollouts with replay batches, the loss of one replay batch, evaluation and
+the comparison grid. ``FlowPolicy`` (``flowgrpo/flow_policy.py``) and ``LMPolicy``
+(``flowgrpo/llm.py``) implement it; ``POLICIES`` maps ``config.policy`` to them.
+"""
+from __future__ import annotations
+
+import copy
+import importlib
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator, Protocol
+
+import torch
+from torch import Tensor, nn
+
+from flowgrpo.config import TrainConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# config.policy -> "module:Class"; imported on use, so the LM path never imports the flow stack.
+POLICIES = {"flow": "flowgrpo.flow_policy:FlowPolicy", "llm": "flowgrpo.llm:LMPolicy"}
+
+
+class Policy(Protocol):
+    """The policy-specific half of a trainer.
+
+    Attributes: ``module`` (the ``nn.Module`` that trains: what the engine wraps), ``trainable``
+    (name -> parameter, the optimiser's parameters), ``reward`` (a callable with ``weights``: the
+    component weights, for the advantages and the logs).
+    """
+
+    module: nn.Module
+    trainable: dict[str, nn.Parameter]
+    reward: Any
+
+    def bind(self, engine_module: nn.Module, sharded: bool) -> None:
+        """Hand the policy the engine's wrapper of ``module`` (DDP / FSDP / DeepSpeed, or
+        ``module`` itself): the training forward must run through it. ``sharded``: every forward,
+        sampling included, must too (the parameters live in shards)."""
+
+    def rollout(self, records: list[dict], group_ids: Tensor, sample_ids: Tensor, iteration: int
+                ) -> tuple[Any, dict[str, Tensor], dict[str, float]]:
+        """Sample and score this process's rows: a batch with ``prompts``, ``group_ids``,
+        ``replay`` (the replay batches, each with ``rows``), ``nfe`` and
+        ``trained_transitions``; rewards name -> (B,) float32 CPU (NaN = no reward, "total"
+        among them); timing and rollout metrics."""
+
+    def step_weights(self, replays: list) -> list[Tensor]:
+        """Per-row loss weights of each replay batch (called once per update, on every process)."""
+
+    def replay_loss(self, batch: Any, replay: Any, advantages: Tensor, iteration: int,
+                    clip_high: float, weights: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        """The loss of one replay batch and a record of detached statistics, among them 0-d
+        ``ratio_max_dev`` (max |ratio - 1|, exactly 0 on the first pass) and ``policy_loss``."""
+
+    def update_metrics(self, rows: dict[str, Tensor], clip_high: float) -> dict[str, Tensor]:
+        """An update's statistics from the concatenated records of its replay batches."""
+
+    def evaluate(self, records: list[dict], iteration: int, out_dir: Path | None
+                 ) -> dict[str, float]:
+        """Held-out metrics (``eval/...``); writes samples under ``out_dir`` when given."""
+
+    def save_grid_samples(self, records: list[dict], run_dir: Path, tag: str) -> None:
+        """Deterministic samples of the comparison prompts, saved under ``run_dir``."""
+
+    def write_comparison_grid(self, records: list[dict], run_dir: Path, final_label: str
+                              ) -> Path | None:
+        """The base-vs-final comparison of ``records`` from the saved samples."""
+
+    def save_weights(self, folder: str, state_dict: dict[str, Tensor] | None = None) -> None:
+        """The user-facing weights (LoRA in its ecosystem's format, or the full model);
+        ``state_dict`` is the consolidated trainable state under a sharded engine."""
+
+
+def load_policy_class(kind: str) -> type:
+    module_name, _, class_name = POLICIES[kind].partition(":")
+    return getattr(importlib.import_module(module_name), class_name)
+
+
+class Through:
+    """A module seen through its engine's wrapper: calls go through ``wrapper`` (so DDP's
+    gradient hooks and FSDP's all-gathers run), attribute reads come from ``module`` (adapters
+    read ``transformer.config``, ``.dtype``, ... which a wrapper does not forward)."""
+
+    def __init__(self, wrapper: nn.Module, module: nn.Module) -> None:
+        self._wrapper = wrapper
+        self._module = module
+
+    def __call__(self, *args, **kwargs):
+        return self._wrapper(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self._module, name)
+
+
+def float32_trainable(module: nn.Module) -> dict[str, nn.Parameter]:
+    """Name -> parameter of ``module``'s trainable parameters, cast to float32 (LoRA weights train
+    in float32 whatever the base dtype: fp16 gradients of small adapters underflow)."""
+    for param in module.parameters():
+        if param.requires_grad:
+            param.data = param.data.float()
+    trainable = {n: p for n, p in module.named_parameters() if p.requires_grad}
+    if not trainable:
+        raise ValueError("model.lora.target_modules matched no module: nothing to train")
+    return trainable
+
+
+def frozen_reference(config: TrainConfig, module: nn.Module) -> nn.Module | None:
+    """The KL reference for full fine-tuning (there is no adapter to disable): a frozen copy of
+    the initial module. None when no KL is used or LoRA provides the reference."""
+    if config.training.kl_beta > 0 and not config.model.lora.enabled:
+        return copy.deepcopy(module).requires_grad_(False)
+    return None
+
+
+@contextmanager
+def swapped_attribute(owner: Any, name: str, value: Any) -> Iterator[None]:
+    """Temporarily set ``owner.<name>`` to ``value``."""
+    live = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, live)

@@ -1,0 +1,250 @@
+"""The update on accelerate's engine: fp16 loss scaling, skipped non-finite steps, equal backward
+counts on every process, replica checks, engine checks before any model loads, reward devices,
+and the LM policy's independence from the flow stack."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from flowgrpo.config import ConfigError
+from flowgrpo.trainer import (NonFiniteGradientError, Trainer, check_engine, preflight_engine,
+                              replica_checksums, window_lengths)
+from tests.test_trainer import tiny_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def fresh_accelerator():
+    """An Accelerator of its own: accelerate keeps one process-wide state, and these tests need
+    other mixed-precision settings than the rest of the suite. Restored afterwards."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    def make(fp16: bool):
+        AcceleratorState._reset_state(True)
+        acc = Accelerator(cpu=True, mixed_precision="fp16" if fp16 else "no")
+        if fp16:
+            # accelerate only scales on GPUs; the CPU's GradScaler and fp16 autocast run the same
+            # code path (accelerator.backward -> scaler.scale, clip -> unscale, step -> skip).
+            acc.native_amp = True
+            acc.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+        return acc
+
+    yield make
+    AcceleratorState._reset_state(True)
+
+
+def gradient(make_accelerator, path, tmp_path, dtype: str, fp16: bool, scale: float):
+    """The trainable gradient of the first replay batch's loss times ``scale`` (unscaled)."""
+    acc = make_accelerator(fp16)
+    torch.manual_seed(0)
+    trainer = Trainer(tiny_config(path, tmp_path / f"{dtype}{fp16}", f"model.dtype={dtype}",
+                                  "training.skip_zero_std_groups=false"), accelerator=acc)
+    batch, rewards, _ = trainer.rollout_and_score(0)
+    advantages, _ = trainer.compute_advantages(batch, rewards)
+    replay = batch.replay[0]
+    with acc.autocast():
+        loss, _ = trainer.policy.replay_loss(batch, replay, advantages, 0, 0.2,
+                                             torch.ones(len(replay.rows)))
+    trainer.backward(loss, scale)
+    if fp16:
+        assert acc.scaler.get_scale() == 2.0 ** 16
+        acc.unscale_gradients()
+    return torch.cat([p.grad.flatten().double() for p in trainer.trainable.values()])
+
+
+def cosine(a, b) -> float:
+    return float(a @ b / (a.norm() * b.norm() + 1e-30))
+
+
+def test_fp16_loss_scaling_recovers_gradients_that_underflow_unscaled(fresh_accelerator,
+                                                                      tiny_sd3_path, tmp_path):
+    """fp16 weights and activations, LoRA in fp32, a small loss (as a 1/N seed or a small
+    advantage makes it): without scaling most of the gradient underflows in the fp16 backward;
+    with accelerate's scaler it matches the float32 model's."""
+    scale = 1e-4
+    reference = gradient(fresh_accelerator, tiny_sd3_path, tmp_path, "float32", False, scale)
+    unscaled = gradient(fresh_accelerator, tiny_sd3_path, tmp_path, "float16", False, scale)
+    scaled = gradient(fresh_accelerator, tiny_sd3_path, tmp_path, "float16", True, scale)
+    assert cosine(reference, unscaled) < 0.5          # measured 0.21: the proxy does underflow
+    assert cosine(reference, scaled) >= 0.99          # measured 0.9988
+    assert float(scaled.norm() / reference.norm()) == pytest.approx(1.0, rel=0.05)
+
+
+def poison_and_step(trainer):
+    """A real backward, then one gradient made infinite; returns (weights before, step result)."""
+    batch, rewards, _ = trainer.rollout_and_score(0)
+    advantages, _ = trainer.compute_advantages(batch, rewards)
+    replay = batch.replay[0]
+    with trainer.accelerator.autocast():
+        loss, _ = trainer.policy.replay_loss(batch, replay, advantages, 0, 0.2,
+                                             torch.ones(len(replay.rows)))
+    trainer.backward(loss, 1.0)
+    before = {n: p.detach().clone() for n, p in trainer.trainable.items()}
+    next(iter(trainer.trainable.values())).grad.view(-1)[0] = float("inf")
+    return before, trainer.optimizer_step()
+
+
+@pytest.mark.parametrize("fp16", [False, True], ids=["fp32", "fp16_scaler"])
+def test_a_step_with_an_infinite_gradient_is_skipped_not_applied(fresh_accelerator, tiny_sd3_path,
+                                                                 tmp_path, fp16):
+    acc = fresh_accelerator(fp16)
+    trainer = Trainer(tiny_config(tiny_sd3_path, tmp_path, "training.skip_zero_std_groups=false",
+                                  "training.ema.enabled=true", "training.ema.every=1",
+                                  "training.max_consecutive_skipped_steps=2",
+                                  *(["model.dtype=float16"] if fp16 else [])), accelerator=acc)
+    shadow = {n: v.clone() for n, v in trainer.ema.state_dict().items()}
+    before, (norm, stepped) = poison_and_step(trainer)
+    assert not stepped and not torch.isfinite(torch.tensor(norm))
+    for name, param in trainer.trainable.items():
+        assert torch.equal(param, before[name]), name            # weights untouched
+        assert torch.equal(trainer.ema.state_dict()[name], shadow[name]), name   # EMA too
+        assert param.grad is None                                 # gradients cleared
+    assert trainer.ema.steps == 0
+    if fp16:
+        assert acc.scaler.get_scale() == 2.0 ** 15               # the scaler backed off
+    # the configured number of skips in a row aborts the run with a clear error
+    with pytest.raises(NonFiniteGradientError, match="2 optimiser steps in a row"):
+        poison_and_step(trainer)
+
+
+def test_a_finite_step_after_a_skip_resets_the_count(fresh_accelerator, tiny_sd3_path, tmp_path):
+    trainer = Trainer(tiny_config(tiny_sd3_path, tmp_path, "training.skip_zero_std_groups=false",
+                                  "training.max_consecutive_skipped_steps=2"),
+                      accelerator=fresh_accelerator(False))
+    poison_and_step(trainer)
+    assert trainer.skipped_in_a_row == 1
+    metrics = trainer.run_iteration(0)
+    assert metrics["train/skipped_steps"] == 0 and trainer.skipped_in_a_row == 0
+
+
+def test_window_lengths_are_the_same_on_every_process():
+    # 7 replay batches on the fullest process, 3 per step: steps of 3, 3 and 1 backward passes
+    assert window_lengths(7, 3) == [3, 3, 1]
+    assert window_lengths(6, 6) == [6]
+    assert window_lengths(0, 1) == []
+    assert sum(window_lengths(11, 4)) == 11
+
+
+def test_replica_checksums_tell_weights_apart():
+    weights = [torch.randn(4, 3), torch.randn(5)]
+    same = replica_checksums([w.clone() for w in weights])
+    assert torch.equal(replica_checksums(weights), same)
+    swapped = [weights[0].flip(0), weights[1]]        # same sum, other positions
+    assert not torch.equal(replica_checksums(swapped)[0], same[0])
+    nudged = [weights[0] + 1e-6, weights[1]]
+    assert not torch.equal(replica_checksums(nudged)[0], same[0])
+
+
+def test_fsdp_and_deepspeed_without_gpus_are_refused_with_a_clear_error():
+    with pytest.raises(ConfigError, match="FSDP, which needs CUDA GPUs.*ddp.yaml"):
+        preflight_engine({"ACCELERATE_USE_FSDP": "true"}, cuda=False)
+    with pytest.raises(ConfigError, match="DeepSpeed, which needs CUDA GPUs"):
+        preflight_engine({"ACCELERATE_USE_DEEPSPEED": "true"}, cuda=False)
+    preflight_engine({}, cuda=False)                   # plain CPU / DDP: nothing to refuse
+    try:
+        import deepspeed  # noqa: F401
+    except ImportError:
+        with pytest.raises(ConfigError, match="pip install deepspeed"):
+            preflight_engine({"ACCELERATE_USE_DEEPSPEED": "true"}, cuda=True)
+
+
+def test_fsdp_on_cpu_processes():
+    """accelerate's FSDP plugin needs an accelerator device; on this CPU-only machine the two-
+    process FSDP run is left to scripts/gpu_check.sh."""
+    if not torch.cuda.is_available():
+        pytest.skip("accelerate's FullyShardedDataParallelPlugin refuses CPU-only machines "
+                    "('no available devices found'); FSDP is covered by scripts/gpu_check.sh")
+
+
+def fake_accelerator(kind: str, zero_stage: int = 2, processes: int = 8):
+    from accelerate.utils import DistributedType
+
+    types = {"fsdp": DistributedType.FSDP, "deepspeed": DistributedType.DEEPSPEED,
+             "ddp": DistributedType.MULTI_GPU}
+    plugin = SimpleNamespace(zero_stage=zero_stage, deepspeed_config={
+        "gradient_accumulation_steps": "auto"})
+    return SimpleNamespace(distributed_type=types[kind], num_processes=processes,
+                           state=SimpleNamespace(deepspeed_plugin=plugin))
+
+
+def test_what_a_sharded_engine_cannot_do_fails_at_start(tiny_sd3_path, tmp_path):
+    config = tiny_config(tiny_sd3_path, tmp_path)
+    assert check_engine(config, fake_accelerator("ddp")) is False
+    assert check_engine(config, fake_accelerator("deepspeed", zero_stage=2)) is False
+    assert check_engine(config, fake_accelerator("fsdp")) is True
+    assert check_engine(config, fake_accelerator("deepspeed", zero_stage=3)) is True
+    ema = tiny_config(tiny_sd3_path, tmp_path, "training.ema.enabled=true")
+    with pytest.raises(ConfigError, match="training.ema is not supported under fsdp"):
+        check_engine(ema, fake_accelerator("fsdp"))
+    check_engine(ema, fake_accelerator("deepspeed", zero_stage=2))   # ZeRO-2: weights whole
+    kl_full = tiny_config(tiny_sd3_path, tmp_path, "training.kl_beta=0.01",
+                          "model.lora.enabled=false")
+    with pytest.raises(ConfigError, match="unsharded reference copy"):
+        check_engine(kl_full, fake_accelerator("deepspeed", zero_stage=3))
+    accumulating = fake_accelerator("deepspeed")
+    accumulating.state.deepspeed_plugin.deepspeed_config["gradient_accumulation_steps"] = 4
+    with pytest.raises(ConfigError, match="gradient_accumulation_steps"):
+        check_engine(config, accumulating)
+
+
+def test_fp16_full_fine_tuning_needs_float32_master_weights(tiny_sd3_path, tmp_path):
+    with pytest.raises(ConfigError, match="model.dtype: float32"):
+        tiny_config(tiny_sd3_path, tmp_path, "training.mixed_precision=fp16",
+                    "model.lora.enabled=false", "model.dtype=float16")
+
+
+class DeviceProbe:
+    """A reward that records the device it was built on."""
+
+    def __init__(self, device: torch.device = torch.device("cpu")) -> None:
+        self.device = torch.device(device)
+
+    def __call__(self, media, prompts, metadata):
+        return torch.zeros(len(prompts))
+
+
+def test_rewards_load_on_the_trainers_device_unless_they_ask_for_one(tiny_sd3_path, tmp_path):
+    from flowgrpo.flow_policy import load_rewards
+
+    probe = "tests.test_engines:DeviceProbe"
+    config = tiny_config(tiny_sd3_path, tmp_path)
+    config.rewards.components[0].name = probe
+    extra = [{"name": probe, "options": {"device": "cpu", "label": "on_cpu"}},
+             {"name": probe, "options": {"device": "auto", "label": "auto"}}]
+    from flowgrpo.config import RewardSpec
+
+    config.rewards.components += [RewardSpec(name=e["name"], options=e["options"]) for e in extra]
+    # "meta" stands in for a rank's GPU: nothing else in the process would pick it by accident
+    reward = load_rewards(config, torch.device("meta"))
+    devices = [managed.inner.device for managed in reward.rewards.values()]
+    assert devices == [torch.device("meta"), torch.device("cpu"), torch.device("meta")]
+
+
+def test_the_trainer_hands_its_device_to_the_rewards(tiny_sd3_path, tmp_path, monkeypatch):
+    import flowgrpo.flow_policy as flow_policy
+
+    seen = []
+    real = flow_policy.load_rewards
+    monkeypatch.setattr(flow_policy, "load_rewards",
+                        lambda config, device: seen.append(device) or real(config, device))
+    trainer = Trainer(tiny_config(tiny_sd3_path, tmp_path))
+    assert seen == [trainer.accelerator.device]
+
+
+def test_the_lm_policy_does_not_import_the_flow_stack():
+    """Training a causal LM needs neither diffusers nor the flow adapters and rollouts."""
+    code = ("import sys; import flowgrpo.trainer, flowgrpo.llm, flowgrpo.policy; "
+            "from flowgrpo.policy import load_policy_class; load_policy_class('llm'); "
+            "print(sorted(m for m in ('diffusers', 'pipelines', 'flowgrpo.rollout', "
+            "'flowgrpo.flow_policy', 'reward_models.shapes') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "[]"
