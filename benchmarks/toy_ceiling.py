@@ -5,7 +5,7 @@
 
 RL on the toy default sees ``iterations x 64`` images of its own, scored 0/1. This script spends
 the same number of images on the best data there is: freshly rendered *correct* scenes
-(``reward_models.shapes.render``) of the prompts of ``--split``, families drawn uniformly (as the
+(``flowgrpo.toyworld.render.render``) of the prompts of ``--split``, families drawn uniformly (as the
 RL config's ``balance_key: family`` does), trained with the rectified-flow loss that pretrained
 the model (logit-normal sigmas, 10% empty captions so CFG keeps working) and the RL run's own
 optimiser (AdamW from ``configs/toy_geneval.yaml``, ``--lr``). At each ``--eval-at`` step the
@@ -32,7 +32,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from flowgrpo.config import load_config  # noqa: E402
 from flowgrpo.prompts import load_prompts  # noqa: E402
 from flowgrpo.trainer import Trainer  # noqa: E402
-from reward_models.shapes import FAMILIES, random_caption, render  # noqa: E402
+from flowgrpo.toyworld.grammar import FAMILIES, random_caption  # noqa: E402
+from flowgrpo.toyworld.render import render  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
+from flowgrpo.dtypes import DTYPE_NAMES
+
 if TYPE_CHECKING:       # torch is imported where it is used, so `flowgrpo --help` stays fast
     from torch import Tensor
 
@@ -44,7 +46,6 @@ BASE = "base"
 # defaults (``toy_config.json``).
 SAMPLING_DEFAULTS: dict[str, tuple[int, float]] = {"sd3": (40, 4.5), "flux": (28, 3.5),
                                                    "wan": (50, 5.0)}
-DTYPE_NAMES = ("float32", "bfloat16", "float16")
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
 
 

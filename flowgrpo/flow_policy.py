@@ -17,15 +17,17 @@ from accelerate import Accelerator
 from torch import Tensor, nn
 
 from flowgrpo.config import TrainConfig
+from flowgrpo.dtypes import parse_dtype
 from flowgrpo.losses import (check_weights, flow_kl, guard_log_ratio, guard_step_weights,
                              policy_loss, rectification_weights, surrogate_stats)
 from flowgrpo.passk import family_mean_se, mean_and_se
 from flowgrpo.plans import make_plan
-from flowgrpo.policy import (DTYPES, Through, float32_trainable, frozen_reference,
-                             swapped_attribute)
+from flowgrpo.policy import Through, float32_trainable, frozen_reference, swapped_attribute
 from flowgrpo.prompts import eval_selection
 from flowgrpo.rollout import RolloutBatch, RolloutSettings, replay_logp, rollout, sample_ode
 from flowgrpo.seeding import seeded_generator
+from pipelines import load_model
+from reward_models import MultiReward
 
 
 def _mean(values: list[float]) -> float:
@@ -35,8 +37,6 @@ def _mean(values: list[float]) -> float:
 def load_rewards(config: TrainConfig, device: torch.device):
     """The MultiReward of the config's components on ``device`` (each rank's accelerator by
     default; a component's own ``device`` option wins, ``device: auto`` means this one)."""
-    from reward_models import MultiReward
-
     return MultiReward.from_config(
         [{"name": c.name, "weight": c.weight, **c.options} for c in config.rewards.components],
         aggregation=config.rewards.aggregation, device=device)
@@ -53,9 +53,7 @@ class FlowPolicy:
         self.reward = load_rewards(config, accelerator.device)
         m = config.model
         if model is None:
-            from pipelines import load_model
-
-            model = load_model(m.family, m.path, dtype=DTYPES[m.dtype], device=accelerator.device,
+            model = load_model(m.family, m.path, dtype=parse_dtype(m.dtype), device=accelerator.device,
                                options=dict(m.options))
         self.model = model
         self.module: nn.Module = model.transformer

@@ -36,7 +36,8 @@ from torch import Tensor, nn
 
 from flowgrpo.config import ConfigError, TrainConfig
 from flowgrpo.losses import token_policy_loss
-from flowgrpo.policy import DTYPES, float32_trainable, frozen_reference
+from flowgrpo.dtypes import parse_dtype
+from flowgrpo.policy import float32_trainable, frozen_reference
 from flowgrpo.prompts import sample_groups
 from flowgrpo.seeding import seeded_generator
 
@@ -479,7 +480,7 @@ class LMPolicy:
         options = dict(m.options)
         tokenizer = AutoTokenizer.from_pretrained(
             m.path, **{k: v for k, v in options.items() if k != "attn_implementation"})
-        module = AutoModelForCausalLM.from_pretrained(m.path, dtype=DTYPES[m.dtype], **options)
+        module = AutoModelForCausalLM.from_pretrained(m.path, dtype=parse_dtype(m.dtype), **options)
         return LanguagePolicy(module.to(device), tokenizer)
 
     def _setup_trainable(self, default_targets: list[str]) -> dict[str, nn.Parameter]:

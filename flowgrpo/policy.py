@@ -15,12 +15,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Protocol
 
-import torch
 from torch import Tensor, nn
 
 from flowgrpo.config import TrainConfig
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 # config.policy -> "module:Class"; imported on use, so the LM path never imports the flow stack.
 POLICIES = {"flow": "flowgrpo.flow_policy:FlowPolicy", "llm": "flowgrpo.llm:LMPolicy"}

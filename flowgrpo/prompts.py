@@ -20,7 +20,7 @@ def load_prompts(source: str) -> list[dict]:
     """Records for ``source``: ``toy:<split>``, ``*.txt`` or ``*.jsonl``. Raises ValueError when the
     source is missing or empty."""
     if source.startswith("toy:"):
-        from reward_models.shapes import prompt_split
+        from flowgrpo.toyworld.grammar import prompt_split
 
         records = prompt_split(source.split(":", 1)[1])
     else:

@@ -21,7 +21,7 @@ from torch import Tensor
 from flowgrpo.plans import StepPlan
 from flowgrpo.seeding import seeded_generator
 from flowgrpo.sde import StepGaussian, dpmpp_2m_step, euler_step, score_step, transition
-from pipelines.base import Conditioning, FlowModel
+from flowgrpo.model import Conditioning, FlowModel
 
 
 @dataclass

@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from pipelines.base import Conditioning, FlowModel
+from flowgrpo.model import Conditioning, FlowModel
 
 # family -> "module:Class" of its adapter (each class has a ``from_pretrained`` classmethod).
 MODEL_FAMILIES: dict[str, str] = {

@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from pipelines.base import (AdapterOptions, Conditioning, DiffusersFlowModel, check_divisible,
+from flowgrpo.model import Conditioning
+from pipelines.base import (AdapterOptions, DiffusersFlowModel, check_divisible,
                             check_pipeline_folder, parse_options, require_attention_backend,
                             resolve_dtype, text_model_dtype)
 

@@ -22,7 +22,8 @@ from dataclasses import asdict, dataclass, field, fields
 import torch
 from torch import Tensor
 
-from pipelines.base import Conditioning, guided_velocity
+from flowgrpo.model import Conditioning, guided_velocity
+from flowgrpo.toyworld.grammar import VOCABULARY
 
 TOY_CONFIG_NAME = "toy_config.json"
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[BOS]", "[EOS]")   # ids 0..3; EOS != 2 (CLIP's legacy pooling)
@@ -89,7 +90,6 @@ def build_tokenizer(vocabulary: tuple[str, ...] | None = None, max_length: int =
     from transformers import PreTrainedTokenizerFast
 
     if vocabulary is None:
-        from reward_models.shapes import VOCABULARY
         vocabulary = VOCABULARY
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + tuple(vocabulary))}
     core = Tokenizer(WordLevel(vocab, unk_token="[UNK]"))

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from pipelines.base import (AdapterOptions, Conditioning, DiffusersFlowModel, check_divisible,
-                            guided_velocity,
+from flowgrpo.model import Conditioning, guided_velocity
+from pipelines.base import (AdapterOptions, DiffusersFlowModel, check_divisible,
                             check_pipeline_folder, parse_options, read_model_index,
                             require_attention_backend, resolve_dtype,
                             text_model_dtype)

@@ -44,7 +44,7 @@ REGISTRY: dict[str, str] = {
     "imagereward": "reward_models.adapters:ImageRewardReward",
     "temporal_consistency": "reward_models.temporal:TemporalConsistencyReward",
     "remote": "reward_models.remote:RemoteReward",
-    "geneval_toy": "reward_models.shapes:GenevalToyReward",
+    "geneval_toy": "reward_models.geneval_toy:GenevalToyReward",
 }
 
 

@@ -34,6 +34,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from flowgrpo.dtypes import parse_dtype
+
 from .base import REGISTRY, as_score_vector, score_with_components
 from .media import check_media, frame_indices
 
@@ -41,21 +43,6 @@ ENTRY_POINT_GROUP = "flowgrpo.rewards"
 GENERIC_OPTIONS = ("device", "dtype", "batch_size", "video_frames", "video_aggregate")
 MULTI_REWARD_OPTIONS = ("weight", "label")
 VIDEO_AGGREGATES = ("mean", "min", "max")
-
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
-
-
-def parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
-    """torch dtype from a dtype or its name ("float16", "bf16", "torch.float32", ...)."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    key = str(dtype).removeprefix("torch.")
-    if key not in _DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(_DTYPES)} (got {dtype!r})")
-    return _DTYPES[key]
-
 
 def _entry_points() -> dict[str, str]:
     return {ep.name: ep.value for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)}

@@ -3,9 +3,9 @@
     python scripts/pretrain_toy.py --out assets/toy --minutes 55 --seed 0
 
 Rectified-flow loss: x_sigma = (1 - sigma) x0 + sigma noise, target v = noise - x0, sigma drawn
-logit-normal (or uniform); captions from ``reward_models.shapes.random_caption`` with 10% dropped
+logit-normal (or uniform); captions from ``flowgrpo.toyworld.grammar.random_caption`` with 10% dropped
 to the empty prompt (so CFG works) and ``--caption-noise`` of them paired with a near-miss scene
-(``reward_models.shapes.near_miss``), so the model can draw a prompt but does not reliably; AdamW with linear warmup and a cosine decay over the time
+(``flowgrpo.toyworld.grammar.near_miss``), so the model can draw a prompt but does not reliably; AdamW with linear warmup and a cosine decay over the time
 budget (or over ``--max-steps``); an EMA of the weights. Every ``--eval-every-minutes`` the EMA
 model samples held-out prompts with the Euler ODE sampler and the verifier scores them (exact
 accuracy per family), printed and appended to ``--log`` (JSONL); the EMA model is checkpointed to
@@ -33,8 +33,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pipelines.toy import (ToyArchitecture, ToyFlowModel, ToyOptions, ToySamplingDefaults,  # noqa: E402
                           build_toy_model)
-from reward_models.shapes import (DEFAULT_FAMILY_WEIGHTS, FAMILIES, GenevalToyReward,  # noqa: E402
-                                  near_miss, prompt_split, random_caption, render)
+from flowgrpo.toyworld.grammar import (DEFAULT_FAMILY_WEIGHTS, FAMILIES,  # noqa: E402
+                                       near_miss, prompt_split, random_caption)
+from flowgrpo.toyworld.render import render  # noqa: E402
+from reward_models.geneval_toy import GenevalToyReward  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -54,7 +56,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--caption-dropout", type=float, default=0.1, help="share of empty captions (CFG)")
     p.add_argument("--caption-noise", type=float, default=0.0,
                    help="share of captions whose scene is rendered from a near miss "
-                        "(reward_models.shapes.near_miss: one requirement changed), as noisy web "
+                        "(flowgrpo.toyworld.grammar.near_miss: one requirement changed), as noisy web "
                         "captions: the model learns the prompt's scene as the main mode among near "
                         "misses, so it can draw a prompt but does not reliably")
     p.add_argument("--sigma-sampling", choices=["logit_normal", "uniform"], default="logit_normal")

@@ -404,7 +404,7 @@ class FakeVideoModel:
         self.frames, self.size = frames, size
 
     def encode_prompts(self, prompts):
-        from pipelines.base import Conditioning
+        from flowgrpo.model import Conditioning
 
         return Conditioning(positive={"embeds": torch.tensor([[float(len(p))] for p in prompts])})
 

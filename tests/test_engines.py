@@ -243,7 +243,7 @@ def test_the_lm_policy_does_not_import_the_flow_stack():
     code = ("import sys; import flowgrpo.trainer, flowgrpo.llm, flowgrpo.policy; "
             "from flowgrpo.policy import load_policy_class; load_policy_class('llm'); "
             "print(sorted(m for m in ('diffusers', 'pipelines', 'flowgrpo.rollout', "
-            "'flowgrpo.flow_policy', 'reward_models.shapes') if m in sys.modules))")
+            "'flowgrpo.flow_policy', 'flowgrpo.toyworld', 'reward_models.geneval_toy') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]

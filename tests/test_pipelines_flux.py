@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pipelines import load_model
-from pipelines.base import FlowModel
+from flowgrpo.model import FlowModel
 from pipelines.flux import latent_image_ids, pack_latents, unpack_latents
 from tests.pipelines_fixtures import (IMAGE_OPTIONS, TINY_MAX_SEQUENCE_LENGTH, CallCounter,
                                       fail_on_weight_loading, ode_sample, perturb_lora,

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pipelines import MODEL_FAMILIES, load_model
-from pipelines.base import FlowModel
+from flowgrpo.model import FlowModel
 from pipelines.sd3 import SD3_LORA_TARGET_MODULES, SD3Model
 from tests.pipelines_fixtures import (IMAGE_OPTIONS, TINY_MAX_SEQUENCE_LENGTH, CallCounter,
                                       fail_on_weight_loading, ode_sample, perturb_lora,

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pipelines import load_model
-from pipelines.base import FlowModel
+from flowgrpo.model import FlowModel
 from tests.pipelines_fixtures import (TINY_MAX_SEQUENCE_LENGTH, VIDEO_OPTIONS, CallCounter,
                                       fail_on_weight_loading, ode_sample, perturb_lora,
                                       tiny_wan_dir)  # noqa: F401  (fixture)

@@ -75,7 +75,7 @@ def test_builtin_names_are_registered_lazily():
                  "jpeg_incompressibility", "hpsv2", "imagereward", "temporal_consistency",
                  "remote", "geneval_toy"):
         assert name in names
-    assert REGISTRY["geneval_toy"] == "reward_models.shapes:GenevalToyReward"
+    assert REGISTRY["geneval_toy"] == "reward_models.geneval_toy:GenevalToyReward"
     assert all(":" in path for path in REGISTRY.values())
 
 

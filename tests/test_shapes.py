@@ -8,10 +8,15 @@ import pytest
 import torch
 from scipy import ndimage
 
-from reward_models import shapes
+from flowgrpo.toyworld import grammar
+from flowgrpo.toyworld import render as scenes
+from flowgrpo.toyworld import verify as verifier
+from flowgrpo.toyworld.grammar import (COLORS, FAMILIES, SHAPES, parse_prompt, prompt_split,
+                                       random_caption)
+from flowgrpo.toyworld.render import render
+from flowgrpo.toyworld.verify import DetectedObject, verify
 from reward_models.base import REGISTRY
-from reward_models.shapes import (COLORS, FAMILIES, SHAPES, DetectedObject, GenevalToyReward,
-                                  parse_prompt, prompt_split, random_caption, render, verify)
+from reward_models.geneval_toy import GenevalToyReward
 
 SAMPLES_PER_FAMILY = 40
 
@@ -113,32 +118,32 @@ def test_render_is_deterministic_with_its_rng_and_in_range():
         render(meta, 24, np.random.default_rng(3), layout="scattered")
     # only the prompt's colour and black appear
     colours = {tuple(px) for px in a.reshape(3, -1).T.tolist()}
-    assert colours == {(0.0, 0.0, 0.0), shapes.PALETTE["cyan"]}
+    assert colours == {(0.0, 0.0, 0.0), grammar.PALETTE["cyan"]}
 
 
-@pytest.mark.parametrize("layout", shapes.LAYOUTS)
+@pytest.mark.parametrize("layout", scenes.LAYOUTS)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_verifier_accepts_rendered_positives(family, layout):
-    accepted = [shapes.score_image(render(meta, 24, rng, layout), meta).exact
+    accepted = [verifier.score_image(render(meta, 24, rng, layout), meta).exact
                 for meta, rng in _draws(family, 1)]
     assert np.mean(accepted) >= 0.99
 
 
-@pytest.mark.parametrize("layout", shapes.LAYOUTS)
+@pytest.mark.parametrize("layout", scenes.LAYOUTS)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_verifier_accepts_blurred_noisy_positives(family, layout):
-    accepted = [shapes.score_image(_like_generator_output(render(meta, 24, rng, layout), rng), meta).exact
+    accepted = [verifier.score_image(_like_generator_output(render(meta, 24, rng, layout), rng), meta).exact
                 for meta, rng in _draws(family, 2)]
     assert np.mean(accepted) >= 0.97
 
 
-@pytest.mark.parametrize("layout", shapes.LAYOUTS)
+@pytest.mark.parametrize("layout", scenes.LAYOUTS)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_verifier_rejects_rendered_negatives(family, layout):
     rejected = {}
     for meta, rng in _draws(family, 3):
         for kind, wrong in _negatives(meta):
-            verdict = shapes.score_image(render(wrong, 24, rng, layout), meta)
+            verdict = verifier.score_image(render(wrong, 24, rng, layout), meta)
             rejected.setdefault(kind, []).append(verdict.exact == 0.0 and verdict.partial < 1.0)
     assert {"count", "shape"} <= set(rejected)
     for kind, flags in rejected.items():
@@ -170,7 +175,7 @@ def test_partial_credit_is_the_share_of_requirements_met_and_monotone():
 
 
 def test_reward_scores_from_metadata_or_plain_prompts_and_is_registered():
-    assert REGISTRY["geneval_toy"] == "reward_models.shapes:GenevalToyReward"
+    assert REGISTRY["geneval_toy"] == "reward_models.geneval_toy:GenevalToyReward"
     rng = np.random.default_rng(5)
     prompts = ["a red circle and a blue square", "two triangles", "a square above a circle"]
     metas = [parse_prompt(p) for p in prompts]
@@ -203,8 +208,8 @@ def test_near_miss_changes_one_requirement_and_never_passes(family):
     rng = np.random.default_rng(7)
     kinds = set()
     for meta, _ in _draws(family, 4):
-        wrong = shapes.near_miss(meta, rng)
-        assert wrong["family"] == meta["family"] and meta == parse_prompt(shapes.make_prompt(meta))
+        wrong = grammar.near_miss(meta, rng)
+        assert wrong["family"] == meta["family"] and meta == parse_prompt(grammar.make_prompt(meta))
         changed = [(i, key) for i, (a, b) in enumerate(zip(meta["objects"], wrong["objects"]))
                    for key in a if a[key] != b[key]]
         relation_changed = wrong["relation"] != meta["relation"]
@@ -213,8 +218,8 @@ def test_near_miss_changes_one_requirement_and_never_passes(family):
         if len(changed) == 2:
             assert {k for _, k in changed} == {"color"} and len(meta["objects"]) == 2
         image = render(wrong, 24, rng)
-        assert shapes.score_image(image, wrong).exact == 1.0
-        assert shapes.score_image(image, meta).exact == 0.0
+        assert verifier.score_image(image, wrong).exact == 1.0
+        assert verifier.score_image(image, meta).exact == 0.0
     expected = {"single_object": {"shape"}, "two_object": {"shape"}, "counting": {"count", "shape"},
                 "colors": {"color", "shape"}, "position": {"relation", "shape"},
                 "color_attr": {"color", "shape"}}[family]
@@ -230,6 +235,6 @@ def test_grid_layout_puts_two_objects_where_the_prompt_says():
                                       ("a triangle below a wedge", 1, False)]:
         meta = parse_prompt(prompt)
         for _ in range(20):
-            first, second = shapes.place_scene(meta, 24, rng)
+            first, second = scenes.place_scene(meta, 24, rng)
             a, b = (first.cx, second.cx) if axis == 0 else (first.cy, second.cy)
             assert (a < 12 < b) if first_lower else (b < 12 < a), prompt

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from pipelines.base import Conditioning, FlowModel
+from flowgrpo.model import Conditioning, FlowModel
 from pipelines.toy import ToyArchitecture, ToyFlowModel, ToyOptions, build_toy_model
 
 ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets", "toy")
@@ -160,7 +160,8 @@ def test_ode_sample_decodes_to_images(model):
 
 @pytest.mark.skipif(not HAVE_ASSETS, reason="assets/toy not built (scripts/pretrain_toy.py)")
 def test_pretrained_model_draws_what_it_is_told():
-    from reward_models.shapes import GenevalToyReward, parse_prompt
+    from flowgrpo.toyworld.grammar import parse_prompt
+    from reward_models.geneval_toy import GenevalToyReward
 
     model = ToyFlowModel.from_pretrained(ASSETS)
     prompts = ["a red circle", "a blue square", "a green triangle", "a yellow circle",

@@ -1,0 +1,106 @@
+"""What the core asks of a model: the FlowModel interface and its prompt conditioning.
+
+Every model family implements ``FlowModel`` in ``pipelines/<family>.py``; the rollout, the flow
+policy and the CLI talk only to this interface, so a new family is one new file in ``pipelines/``
+and nothing above it changes. An adapter knows its family's quirks (text encoders, latent layout,
+timestep scale, shift, guidance) and nothing about sampling, rewards or losses.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class Conditioning:
+    """Prompt embeddings for a batch of prompts.
+
+    ``positive`` holds the tensors the transformer needs for the prompts, each with the batch
+    dimension first (B, ...). ``negative`` holds the same keys for the negative/empty prompt used by
+    classifier-free guidance, or is None when the family has no real CFG (FLUX.1's guidance is an
+    embedding) or CFG is off. ``extra`` is for non-batched, family-specific values (e.g. FLUX.1's
+    text ids), passed through unchanged by ``select``.
+    """
+
+    positive: dict[str, Tensor]
+    negative: dict[str, Tensor] | None = None
+    extra: dict[str, Tensor] = field(default_factory=dict)
+
+    def select(self, index: Tensor | list[int]) -> "Conditioning":
+        """Rows ``index`` (B',) of every batched tensor: used to expand prompts to group members."""
+        index = torch.as_tensor(index, dtype=torch.long)
+
+        def pick(tensors: dict[str, Tensor] | None) -> dict[str, Tensor] | None:
+            if tensors is None:
+                return None
+            return {k: v.index_select(0, index.to(v.device)) for k, v in tensors.items()}
+
+        return Conditioning(pick(self.positive), pick(self.negative), dict(self.extra))
+
+    @property
+    def batch_size(self) -> int:
+        return next(iter(self.positive.values())).shape[0]
+
+    def to(self, device: torch.device | str) -> "Conditioning":
+        def move(tensors):
+            return None if tensors is None else {k: v.to(device) for k, v in tensors.items()}
+
+        return Conditioning(move(self.positive), move(self.negative), move(self.extra))
+
+
+def guided_velocity(forward, latents: Tensor, timestep: Tensor, positive: dict[str, Tensor],
+                    negative: dict[str, Tensor] | None, guidance_scale: float) -> Tensor:
+    """Classifier-free guidance in one batched forward, shared by every real-CFG family.
+
+    ``forward(latents, timestep, text)`` runs the transformer on (N, ...) latents, (N,) timesteps
+    and a dict of (N, ...) text tensors and returns float32 velocities. With ``negative`` None it
+    is called once on the positive branch; otherwise on [negative; positive] and combined as
+    ``v_neg + g (v_pos - v_neg)``.
+    """
+    if negative is None:
+        return forward(latents, timestep, positive)
+    text = {key: torch.cat([negative[key].to(value), value]) for key, value in positive.items()}
+    v_neg, v_pos = forward(torch.cat([latents, latents]), torch.cat([timestep, timestep]),
+                           text).chunk(2)
+    return v_neg + guidance_scale * (v_pos - v_neg)
+
+
+@runtime_checkable
+class FlowModel(Protocol):
+    """A text-to-image/video flow-matching model seen as a velocity field.
+
+    Convention: ``x_sigma = (1 - sigma) x0 + sigma noise``; velocity ``v ~ noise - x0``;
+    sigma runs from 1 (noise) to 0 (data).
+    """
+
+    family: str                      # "sd3", "flux", "wan", "toy"
+    transformer: torch.nn.Module     # what LoRA wraps and the optimiser trains
+    lora_target_modules: list[str]   # PEFT target module names for this family
+    device: torch.device
+    dtype: torch.dtype               # compute dtype of the transformer
+
+    def encode_prompts(self, prompts: list[str]) -> Conditioning:
+        """Embeddings for ``prompts`` (and the negative prompt when CFG is possible); cached."""
+
+    def initial_noise(self, batch: int, generator: torch.Generator | None) -> Tensor:
+        """Standard normal latents (batch, ...) in the layout the stock diffusers pipeline accepts
+        as ``latents=`` (float32, on CPU when the generator is a CPU generator)."""
+
+    def sigmas(self, num_steps: int) -> Tensor:
+        """(num_steps + 1,) float32 decreasing sigma schedule ending at 0, shift applied."""
+
+    def velocity(self, latents: Tensor, sigma: Tensor, cond: Conditioning,
+                 guidance_scale: float) -> Tensor:
+        """Velocity (B, ...) at latents (B, ...) and per-sample sigma (B,). With a real-CFG family and
+        ``guidance_scale > 1`` and ``cond.negative`` set, both branches run in one batched forward
+        and are combined ``v_neg + g (v_pos - v_neg)``."""
+
+    def decode(self, latents: Tensor) -> Tensor:
+        """Images (B, 3, H, W) or videos (B, F, 3, H, W), float32 in [0, 1]."""
+
+    def save_lora_weights(self, directory: str, transformer_lora_state_dict: dict[str, Tensor]) -> None:
+        """Write LoRA weights so that the stock diffusers pipeline's ``load_lora_weights(directory)``
+        loads them (PEFT-format keys as returned by ``peft.get_peft_model_state_dict``)."""
