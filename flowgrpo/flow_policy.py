@@ -24,8 +24,8 @@ from flowgrpo.passk import family_mean_se, mean_and_se
 from flowgrpo.plans import make_plan
 from flowgrpo.policy import Through, float32_trainable, frozen_reference, swapped_attribute
 from flowgrpo.prompts import eval_selection
-from flowgrpo.rollout import RolloutBatch, RolloutSettings, replay_logp, rollout, sample_ode
-from flowgrpo.seeding import seeded_generator
+from flowgrpo.rollout import (RolloutBatch, RolloutSettings, eval_noise, replay_logp, rollout,
+                              sample_ode)
 from pipelines import load_model
 from reward_models import MultiReward
 
@@ -253,9 +253,7 @@ class FlowPolicy:
     def eval_noise(self, count: int) -> Tensor:
         """Initial noise of evaluation sample i: seeded by (seed, "eval", i), the same at every
         evaluation of the run and in ``flowgrpo eval``."""
-        return torch.cat([self.model.initial_noise(1, seeded_generator(self.config.run.seed,
-                                                                       "eval", i))
-                          for i in range(count)])
+        return eval_noise(self.model, self.config.run.seed, count)
 
     def _sample(self, prompts: list[str], batch_size: int | None = None) -> Tensor:
         s = self.config.sampling

@@ -242,6 +242,14 @@ def replay_logp(model: FlowModel, replay: ReplayBatch, cond: Conditioning, setti
 
 
 @torch.no_grad()
+def eval_noise(model: FlowModel, seed: int, count: int) -> Tensor:
+    """(count, ...) initial noise of evaluation samples 0..count-1: sample i draws from the
+    generator of (seed, "eval", i), so the trainer's evaluations and ``flowgrpo eval`` of a config
+    sample the same pictures."""
+    return torch.cat([model.initial_noise(1, seeded_generator(seed, "eval", i))
+                      for i in range(count)])
+
+
 def sample_ode(model: FlowModel, prompts: list[str], noise: Tensor, num_steps: int,
                guidance_scale: float, batch_size: int = 16) -> Tensor:
     """Deterministic (Euler) samples for evaluation and grids: noise (B, ...) -> media (B, ...)."""

@@ -454,7 +454,7 @@ def test_video_models_write_mp4_and_gif_samples_and_grids(workdir, monkeypatch):
 
 
 def test_argument_parsers():
-    from flowgrpo.commands import parse_model, parse_options, parse_reward_specs, parse_seeds
+    from flowgrpo.commands.common import parse_model, parse_options, parse_reward_specs, parse_seeds
 
     assert parse_seeds("0-3,7") == [0, 1, 2, 3, 7]
     assert parse_seeds("5") == [5]
