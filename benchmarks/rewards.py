@@ -23,7 +23,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from reward_models import load_reward  # noqa: E402
-from reward_models.media import from_uint8_hwc  # noqa: E402
+from flowgrpo.pixels import from_uint8  # noqa: E402
 from reward_models.server import make_server, start_in_thread  # noqa: E402
 from reward_models.tiny import build_tiny_aesthetic_head, build_tiny_clip  # noqa: E402
 
@@ -37,7 +37,7 @@ def rendered_word(word: str, size: int) -> torch.Tensor:
     draw = ImageDraw.Draw(image)
     font = ImageFont.load_default(size=max(size // 6, 10))
     draw.text((size // 10, size // 3), word, fill="black", font=font)
-    return from_uint8_hwc(np.asarray(image))
+    return from_uint8(np.asarray(image))
 
 
 def best_time(fn, repeats: int) -> float:

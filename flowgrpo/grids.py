@@ -22,20 +22,11 @@ from PIL import Image, ImageDraw, ImageFont
 from torch import Tensor
 
 from flowgrpo.passk import is_binary
+from flowgrpo.pixels import to_uint8
 
 BACKGROUND = (255, 255, 255)
 TEXT_COLOR = (20, 20, 20)
 ELLIPSIS = "..."
-
-
-def to_uint8(media: Tensor) -> np.ndarray:
-    """Floats in [0, 1] with channels third-from-last, (..., 3, H, W), -> uint8 (..., H, W, 3).
-
-    Values are clamped to [0, 1] and rounded to the nearest of the 256 levels (what PNG stores)."""
-    if media.dim() < 3 or media.shape[-3] != 3:
-        raise ValueError(f"media must have shape (..., 3, H, W) (got {tuple(media.shape)})")
-    pixels = (media.detach().float().cpu().clamp(0.0, 1.0) * 255.0).round().to(torch.uint8)
-    return pixels.movedim(-3, -1).contiguous().numpy()
 
 
 def upscale_factor(height: int, width: int, min_size: int = 96) -> int:

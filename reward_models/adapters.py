@@ -11,7 +11,7 @@ from PIL import Image
 from torch import Tensor
 
 from .base import register_reward
-from .media import to_uint8_hwc
+from flowgrpo.pixels import to_uint8
 
 
 def _require(module: str, pip_name: str, reward: str):
@@ -23,7 +23,7 @@ def _require(module: str, pip_name: str, reward: str):
 
 
 def _as_pil(media: Tensor) -> list[Image.Image]:
-    return [Image.fromarray(image) for image in to_uint8_hwc(media)]
+    return [Image.fromarray(image) for image in to_uint8(media)]
 
 
 def _one_float(value) -> float:

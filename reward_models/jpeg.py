@@ -13,13 +13,13 @@ from PIL import Image
 from torch import Tensor
 
 from .base import register_reward
-from .media import to_uint8_hwc
+from flowgrpo.pixels import to_uint8
 
 
 def jpeg_size_kb(media: Tensor, quality: int = 95) -> Tensor:
     """(B, 3, H, W) floats in [0, 1] -> (B,) JPEG sizes in kB (1000 bytes) at ``quality``."""
     sizes = []
-    for image in to_uint8_hwc(media):
+    for image in to_uint8(media):
         buffer = io.BytesIO()
         Image.fromarray(image).save(buffer, format="JPEG", quality=quality)
         sizes.append(buffer.tell() / 1000.0)

@@ -13,6 +13,8 @@ import torch
 from PIL import Image
 from torch import Tensor
 
+from flowgrpo.pixels import from_uint8, to_uint8
+
 
 def check_media(media: Tensor, prompts: list[str], metadata: list[dict] | None,
                 reward_name: str) -> list[dict]:
@@ -38,18 +40,6 @@ def check_media(media: Tensor, prompts: list[str], metadata: list[dict] | None,
         raise ValueError(f"reward {reward_name!r}: metadata must have one dict per sample "
                          f"({batch}) (got {len(metadata)})")
     return list(metadata)
-
-
-def to_uint8_hwc(images: Tensor) -> np.ndarray:
-    """(B, 3, H, W) floats in [0, 1] -> (B, H, W, 3) uint8, rounded to nearest."""
-    quantised = (images.detach().float().clamp(0, 1) * 255).round().to(torch.uint8)
-    return quantised.permute(0, 2, 3, 1).cpu().numpy()
-
-
-def from_uint8_hwc(pixels: np.ndarray) -> Tensor:
-    """(..., H, W, 3) uint8 -> (..., 3, H, W) float32 in [0, 1]."""
-    tensor = torch.from_numpy(np.array(pixels, dtype=np.uint8, copy=True)).float() / 255.0
-    return tensor.movedim(-1, -3).contiguous()
 
 
 def frame_indices(num_frames: int, frames: int | None) -> Tensor:
@@ -101,12 +91,12 @@ def encode_media(media: Tensor, video_encoding: str = "mp4") -> list:
     """Media float [0, 1] -> JSON list: one base64 PNG per image; per video one base64 MP4
     (``video_encoding="mp4"``) or a list of base64 PNG frames (``"png"``, lossless)."""
     if media.ndim == 4:
-        return [encode_png(image) for image in to_uint8_hwc(media)]
+        return [encode_png(image) for image in to_uint8(media)]
     if video_encoding not in ("mp4", "png"):
         raise ValueError(f"video_encoding must be 'mp4' or 'png' (got {video_encoding!r})")
     items = []
     for video in media:
-        frames = to_uint8_hwc(video)
+        frames = to_uint8(video)
         items.append(encode_mp4(frames) if video_encoding == "mp4"
                      else [encode_png(frame) for frame in frames])
     return items
@@ -141,4 +131,4 @@ def decode_media(items: list) -> Tensor:
     shapes = {array.shape for array in decoded}
     if len(shapes) != 1:
         raise ValueError(f"all media items must have the same shape (got {sorted(shapes)})")
-    return from_uint8_hwc(np.stack(decoded))
+    return from_uint8(np.stack(decoded))

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from .base import register_reward
-from .media import to_uint8_hwc
+from flowgrpo.pixels import to_uint8
 
 _DOUBLE_QUOTED = re.compile(r'"([^"]*)"|\u201c([^\u201d]*)\u201d')
 _SINGLE_QUOTED = re.compile(r"(?<!\w)'([^']*)'(?!\w)|\u2018([^\u2019]*)\u2019")
@@ -141,7 +141,7 @@ class OcrReward:
         self.read_text = _READERS[backend]()
 
     def __call__(self, media: Tensor, prompts: list[str], metadata: list[dict]) -> Tensor:
-        images = to_uint8_hwc(media)
+        images = to_uint8(media)
         scores = []
         for image, prompt, meta in zip(images, prompts, metadata):
             target = extract_target_text(prompt, meta)

@@ -60,8 +60,10 @@ import torch
 from PIL import Image
 from torch import Tensor
 
+from flowgrpo.pixels import from_uint8
+
 from .loading import load_reward
-from .media import decode_png, from_uint8_hwc
+from .media import decode_png
 
 logger = logging.getLogger(__name__)
 
@@ -393,7 +395,7 @@ def decode_media_bounded(items, limits: ServerLimits) -> Tensor:
     if len(shapes) != 1:
         raise _HttpError(400, f"all media items must have the same shape "
                               f"(got {sorted(shapes)})")
-    return from_uint8_hwc(np.stack(decoded))
+    return from_uint8(np.stack(decoded))
 
 
 def _b64(item, where: str) -> bytes:

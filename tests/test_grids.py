@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from flowgrpo.grids import (BACKGROUND, grid_layout, image_grid, load_font, page_paths, paginate,
-                            render_image_grid, render_video_grid, save_video, to_uint8, upscale,
+                            render_image_grid, render_video_grid, save_video, upscale,
                             upscale_factor, video_grid, wrap_text)
+from flowgrpo.pixels import to_uint8
 
 
 def _images(rows: int, cols: int, size: int, seed: int = 0) -> torch.Tensor:

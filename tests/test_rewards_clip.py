@@ -16,7 +16,7 @@ from reward_models.aesthetic import HEAD_KEYS, AestheticHead, aesthetic_from_emb
     load_aesthetic_head
 from reward_models.clip_common import ClipPreprocess, center_crop, clip_preprocess, \
     clip_score_from_cosine, consecutive_frame_cosine, paired_cosine, shortest_edge_size
-from reward_models.media import from_uint8_hwc
+from flowgrpo.pixels import from_uint8
 from reward_models.pickscore import pickscore_from_cosine
 from reward_models.tiny import build_tiny_aesthetic_head, build_tiny_clip
 
@@ -76,7 +76,7 @@ def test_tensor_preprocessing_matches_clip_image_processor(tiny_clip_dir, height
     processor = CLIPImageProcessor.from_pretrained(tiny_clip_dir)
     images = uint8_images((2, height, width))
     reference = processor(images=list(images), return_tensors="pt")["pixel_values"]
-    ours = clip_preprocess(from_uint8_hwc(images), ClipPreprocess.from_image_processor(processor))
+    ours = clip_preprocess(from_uint8(images), ClipPreprocess.from_image_processor(processor))
     assert ours.shape == reference.shape
     # The reference rounds the resized image to uint8 (<= 0.5/255 / std ~ 0.008); ours stays float.
     assert (ours - reference).abs().max() < 0.02
@@ -201,7 +201,7 @@ def test_clip_score_and_pickscore_match_clip_model_logits(tiny_clip_dir, referen
     with torch.no_grad():
         logits = model(pixel_values=inputs["pixel_values"], **tokens).logits_per_image.diagonal()
     logit_scale = model.logit_scale.exp().item()
-    media = from_uint8_hwc(images)
+    media = from_uint8(images)
 
     clip_score = load_reward({"name": "clip_score", "model": tiny_clip_dir})
     expected = 100 * (logits / logit_scale).clamp(min=0)
@@ -227,7 +227,7 @@ def test_clip_score_with_resizing_stays_close_to_the_processor_path(tiny_clip_di
                        **tokenizer(prompts, padding=True, return_tensors="pt")
                        ).logits_per_image.diagonal()
     reward = load_reward({"name": "clip_score", "model": tiny_clip_dir, "raw_cosine": True})
-    cosine = reward(from_uint8_hwc(images), prompts)
+    cosine = reward(from_uint8(images), prompts)
     assert torch.allclose(cosine, logits / model.logit_scale.exp(), atol=2e-3)
 
 
@@ -244,7 +244,7 @@ def test_aesthetic_reward_equals_head_on_normalised_clip_embedding(tmp_path, tin
         embeds = model.visual_projection(model.vision_model(pixel_values=pixels).pooler_output)
         head = load_aesthetic_head(head_path)
         expected = head(embeds / embeds.norm(dim=-1, keepdim=True))[:, 0]
-    assert torch.allclose(reward(from_uint8_hwc(images), ["", ""]), expected, atol=1e-5)
+    assert torch.allclose(reward(from_uint8(images), ["", ""]), expected, atol=1e-5)
 
 
 def test_aesthetic_rejects_a_clip_of_the_wrong_width(tmp_path, tiny_clip_dir):
@@ -255,9 +255,9 @@ def test_aesthetic_rejects_a_clip_of_the_wrong_width(tmp_path, tiny_clip_dir):
 
 def test_temporal_consistency_is_one_for_still_videos_and_lower_for_changing_ones(tiny_clip_dir):
     reward = load_reward({"name": "temporal_consistency", "model": tiny_clip_dir})
-    frame = from_uint8_hwc(uint8_images((1, 32, 32), seed=1))[0]
+    frame = from_uint8(uint8_images((1, 32, 32), seed=1))[0]
     still = frame.expand(4, 3, 32, 32)
-    changing = from_uint8_hwc(uint8_images((4, 32, 32), seed=2))
+    changing = from_uint8(uint8_images((4, 32, 32), seed=2))
     scores = reward(torch.stack([still, changing]), ["a", "b"])
     assert scores[0].item() == pytest.approx(1.0, abs=1e-5)
     assert scores[1].item() < 0.999
@@ -288,7 +288,7 @@ def test_open_clip_backend_loads_a_local_dir_and_scores_cosines(tmp_path):
     name = f"local-dir:{folder}"
     reward = load_reward({"name": "clip_score", "model": name, "backend": "open_clip",
                           "raw_cosine": True})
-    images = from_uint8_hwc(uint8_images((2, 32, 32), seed=4))
+    images = from_uint8(uint8_images((2, 32, 32), seed=4))
     prompts = ["a cat", "a dog"]
     with torch.no_grad():
         pixels = (images - 0.5) / 0.5                      # the config's mean/std, no resize
@@ -298,7 +298,7 @@ def test_open_clip_backend_loads_a_local_dir_and_scores_cosines(tmp_path):
 
 
 def test_reduced_precision_dtype_gives_close_scores(tiny_clip_dir):
-    images = from_uint8_hwc(uint8_images((2, 32, 32), seed=9))
+    images = from_uint8(uint8_images((2, 32, 32), seed=9))
     prompts = ["the cat", "a sign"]
     full = load_reward({"name": "clip_score", "model": tiny_clip_dir, "raw_cosine": True})
     half = load_reward({"name": "clip_score", "model": tiny_clip_dir, "raw_cosine": True},

@@ -13,7 +13,8 @@ from PIL import Image
 
 from reward_models import REGISTRY, MultiReward, available_rewards, load_reward, register_reward
 from reward_models.loading import aggregate_frames
-from reward_models.media import frame_indices, to_uint8_hwc
+from flowgrpo.pixels import to_uint8
+from reward_models.media import frame_indices
 
 
 # ---- user rewards used below (loaded by dotted path: f"{__name__}:Class") ----
@@ -302,7 +303,7 @@ def test_jpeg_flat_image_compresses_better_than_noise():
     assert incompressibility[0] < incompressibility[1]
     assert torch.equal(compressibility, -incompressibility) and (compressibility < 0).all()
     buffer = io.BytesIO()     # units: kB of a quality-95 Pillow JPEG
-    Image.fromarray(to_uint8_hwc(media)[1]).save(buffer, format="JPEG", quality=95)
+    Image.fromarray(to_uint8(media)[1]).save(buffer, format="JPEG", quality=95)
     assert incompressibility[1].item() == pytest.approx(len(buffer.getvalue()) / 1000)
 
 

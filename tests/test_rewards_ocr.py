@@ -10,7 +10,7 @@ import torch
 from PIL import Image, ImageDraw, ImageFont
 
 from reward_models import load_reward
-from reward_models.media import from_uint8_hwc
+from flowgrpo.pixels import from_uint8
 from reward_models.ocr import extract_target_text, levenshtein, normalise_text, ocr_score
 
 
@@ -61,7 +61,7 @@ def render(text: str, size: int, font_size: int) -> torch.Tensor:
     left, top, right, bottom = draw.textbbox((0, 0), text, font=font)
     draw.text(((size - (right - left)) / 2 - left, (size - (bottom - top)) / 2 - top), text,
               fill="black", font=font)
-    return from_uint8_hwc(np.asarray(image))
+    return from_uint8(np.asarray(image))
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,8 @@ from flowgrpo.commands.common import (check_model_path, check_positive, check_wr
 
 # ================================================================================ flowgrpo sample
 def run_sample(args: argparse.Namespace) -> int:
-    from flowgrpo.grids import save_video, to_uint8
+    from flowgrpo.grids import save_video
+    from flowgrpo.pixels import to_uint8
 
     family, path = parse_model(args.model)
     records = resolve_prompts(args.prompts)
