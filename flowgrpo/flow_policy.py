@@ -223,9 +223,8 @@ class FlowPolicy:
         raw_log_ratio = logp.detach() - replay.logp_old
         log_ratio = guard_log_ratio(logp, replay.logp_old, mean, replay.mean_old, replay.std) \
             if t.ratio_norm else None
-        loss, _ = policy_loss(logp, replay.logp_old, adv, t.clip_low, clip_high,
-                              weights=weights, log_ratio=log_ratio, with_stats=False,
-                              validate=False)
+        loss = policy_loss(logp, replay.logp_old, adv, t.clip_low, clip_high, weights=weights,
+                           log_ratio=log_ratio)
         record = {"log_ratio": raw_log_ratio if log_ratio is None else log_ratio.detach(),
                   "advantages": adv, "weights": weights,
                   "ratio_max_dev": torch.expm1(raw_log_ratio).abs().max(),

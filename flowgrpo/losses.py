@@ -22,7 +22,17 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-TOKEN_AGGREGATIONS = ("grpo", "bnpo", "dr_grpo", "dapo")
+# aggregation -> rule(masked_loss (B, T), mask (B, T), max_len, num_tokens_global) -> loss; the
+# formulas are in token_policy_loss's docstring.
+TOKEN_AGGREGATION_RULES = {
+    "grpo": lambda masked, mask, max_len, tokens:
+        (masked.sum(dim=1) / mask.sum(dim=1).clamp(min=1)).mean(),
+    "bnpo": lambda masked, mask, max_len, tokens: masked.sum() / mask.sum().clamp(min=1),
+    "dr_grpo": lambda masked, mask, max_len, tokens: masked.sum() / (mask.shape[0] * max_len),
+    "dapo": lambda masked, mask, max_len, tokens:
+        masked.sum() / (mask.sum().clamp(min=1) if tokens is None else tokens),
+}
+TOKEN_AGGREGATIONS = tuple(TOKEN_AGGREGATION_RULES)
 TOKEN_LEVELS = ("token", "sequence")
 
 
@@ -60,8 +70,7 @@ def _check_sigmas(sigma: Tensor, sigma_next: Tensor) -> None:
 
 
 def policy_loss(logp: Tensor, logp_old: Tensor, advantages: Tensor, clip_low: float, clip_high: float, *,
-                weights: Tensor | None = None, log_ratio: Tensor | None = None,
-                with_stats: bool = True, validate: bool = True) -> tuple[Tensor, dict[str, Tensor]]:
+                weights: Tensor | None = None, log_ratio: Tensor | None = None) -> Tensor:
     """PPO clipped surrogate over a batch of transitions.
 
     ratio r = exp(logp - logp_old), or exp(log_ratio) when ``log_ratio`` is given (e.g. from
@@ -85,14 +94,11 @@ def policy_loss(logp: Tensor, logp_old: Tensor, advantages: Tensor, clip_low: fl
         clip_low, clip_high: the ratio is clipped to [1 - clip_low, 1 + clip_high].
         weights: (B,) >= 0 per-sample weights; default ones.
         log_ratio: (B,) log r to use instead of logp - logp_old.
-        with_stats: compute ``surrogate_stats`` (False: an empty dict; the caller gathers them).
-        validate: check that the weights are >= 0 (a host sync on GPU). The trainer passes False
-            and checks an iteration's weights once (``check_weights``); shapes are always checked.
 
-    Returns:
-        scalar loss, and ``surrogate_stats`` of the batch (detached, over the rows with w > 0):
-        ``clip_fraction`` (PPO's clipfrac), ``clip_fraction_active``, ``ratio_mean``,
-        ``ratio_min``, ``ratio_max`` and ``approx_kl``.
+    Returns the scalar loss. Its diagnostics are ``surrogate_stats`` of the same tensors (the
+    trainer computes them once over all replay batches of an update). Shapes are checked here;
+    weight values are not (a host sync per call on GPU): rows with w <= 0 are masked, and
+    ``check_weights`` rejects negative or non-finite weights once per iteration.
     """
     _check_clip(clip_low, clip_high)
     if logp.dim() != 1:
@@ -110,15 +116,10 @@ def policy_loss(logp: Tensor, logp_old: Tensor, advantages: Tensor, clip_low: fl
         weights = torch.ones(batch, dtype=dtype, device=logp.device)
     else:
         _check_shape(weights, "weights", batch, "(B,) like logp")
-        if validate:
-            check_weights(weights)
         weights = _data(weights, dtype)
     advantages = _data(advantages, dtype)
 
-    loss = _ClippedSurrogate.apply(log_ratio, advantages, weights, clip_low, clip_high)
-    if not with_stats:
-        return loss, {}
-    return loss, surrogate_stats(log_ratio, advantages, clip_low, clip_high, weights)
+    return _ClippedSurrogate.apply(log_ratio, advantages, weights, clip_low, clip_high)
 
 
 class _ClippedSurrogate(torch.autograd.Function):
@@ -409,16 +410,9 @@ def token_policy_loss(logp: Tensor, logp_old: Tensor, advantages: Tensor, mask: 
         if beta != 0:
             per_token = per_token + beta * token_kl
 
-    masked_loss = per_token * mask
-    if aggregation == "grpo":
-        loss = (masked_loss.sum(dim=1) / mask.sum(dim=1).clamp(min=1)).mean()
-    elif aggregation == "bnpo":
-        loss = masked_loss.sum() / mask.sum().clamp(min=1)
-    elif aggregation == "dr_grpo":
-        loss = masked_loss.sum() / (batch * (length if max_len is None else max_len))
-    else:
-        normaliser = mask.sum().clamp(min=1) if num_tokens_global is None else num_tokens_global
-        loss = masked_loss.sum() / normaliser
+    loss = TOKEN_AGGREGATION_RULES[aggregation](per_token * mask, mask,
+                                                (length if max_len is None else max_len),
+                                                num_tokens_global)
 
     with torch.no_grad():
         r = ratio.detach()

@@ -44,7 +44,6 @@ __all__ = [
     "plan_seed",
 ]
 
-PLAN_KINDS = ("full", "window", "branch", "one_step")
 TRAIN_SELECTS = ("first", "random")
 WINDOW_STRATEGIES = ("progressive", "random")
 
@@ -350,7 +349,9 @@ def _full_plan(config: PlanConfig, sigmas: Tensor, iteration: int, group_id: int
     return StepPlan(sigmas, stochastic, trained, config.solver_after, shared_prefix=0)
 
 
-def _window_plan(config: PlanConfig, sigmas: Tensor, iteration: int, seed: int) -> StepPlan:
+def _window_plan(config: PlanConfig, sigmas: Tensor, iteration: int, group_id: int,
+                 seed: int) -> StepPlan:
+    # one window for every group of an iteration (MixGRPO): group_id does not enter
     num_steps = sigmas.numel() - 1
     _, hi = _step_range(config.window_range, (0, num_steps - 1), num_steps,
                         "sampling.plan.window_range")
@@ -402,10 +403,10 @@ def make_plan(config: PlanConfig, base_sigmas: Tensor, iteration: int, group_id:
     if iteration < 0:
         raise ValueError(f"iteration must be >= 0 (got {iteration})")
     config.validate(sigmas.numel() - 1)
-    if config.kind == "full":
-        return _full_plan(config, sigmas, iteration, group_id, seed)
-    if config.kind == "window":
-        return _window_plan(config, sigmas, iteration, seed)
-    if config.kind == "branch":
-        return _branch_plan(config, sigmas, iteration, group_id, seed)
-    return _one_step_plan(config, sigmas, iteration, group_id, seed)
+    return PLAN_BUILDERS[config.kind](config, sigmas, iteration, group_id, seed)
+
+
+# plan kind -> builder(config, sigmas, iteration, group_id, seed) -> StepPlan
+PLAN_BUILDERS = {"full": _full_plan, "window": _window_plan, "branch": _branch_plan,
+                 "one_step": _one_step_plan}
+PLAN_KINDS = tuple(PLAN_BUILDERS)

@@ -223,25 +223,18 @@ def rollout(model: FlowModel, prompts: list[str], metadata: list[dict], group_id
                         nfe=calls // max(batch, 1))
 
 
-def replay_logp(model: FlowModel, replay: ReplayBatch, cond: Conditioning, settings: RolloutSettings,
-                noise_level: float | None = None) -> tuple[Tensor, Tensor]:
+def replay_logp(model: FlowModel, replay: ReplayBatch, cond: Conditioning, settings: RolloutSettings
+                ) -> tuple[Tensor, Tensor]:
     """Re-score a replay batch under the current weights (with grad).
 
-    Returns (logp (b,), mean (b, ...)) for x -> x' with the same transition kind and noise level
-    (the recorded step's coefficients), or under ``noise_level`` when one is given.
+    Returns (logp (b,), mean (b, ...)) for x -> x' under the recorded step's Gaussian (the same
+    transition kind, noise level and coefficients as the rollout).
     """
     velocity = model.velocity(replay.latents.to(model.dtype), replay.sigmas, cond,
                               settings.guidance_scale)
-    if noise_level is None:
-        return score_step(velocity, replay.latents, replay.next_latents, replay.gaussian)
-    out = transition(settings.kind, velocity.to(torch.float32), replay.latents, replay.sigmas,
-                     replay.sigmas_next,
-                     noise_level=noise_level,
-                     prev_sample=replay.next_latents, validate=False)
-    return out.log_prob, out.mean
+    return score_step(velocity, replay.latents, replay.next_latents, replay.gaussian)
 
 
-@torch.no_grad()
 def eval_noise(model: FlowModel, seed: int, count: int) -> Tensor:
     """(count, ...) initial noise of evaluation samples 0..count-1: sample i draws from the
     generator of (seed, "eval", i), so the trainer's evaluations and ``flowgrpo eval`` of a config
@@ -250,6 +243,7 @@ def eval_noise(model: FlowModel, seed: int, count: int) -> Tensor:
                       for i in range(count)])
 
 
+@torch.no_grad()
 def sample_ode(model: FlowModel, prompts: list[str], noise: Tensor, num_steps: int,
                guidance_scale: float, batch_size: int = 16) -> Tensor:
     """Deterministic (Euler) samples for evaluation and grids: noise (B, ...) -> media (B, ...)."""

@@ -54,7 +54,6 @@ __all__ = [
     "ODE_SOLVERS",
     "Transition",
     "transition",
-    "gaussian_log_prob",
     "score_step",
     "StepGaussian",
     "dpmpp_2m_step",
@@ -66,7 +65,6 @@ __all__ = [
     "dynamic_shift_sigmas",
 ]
 
-KINDS = ("ode", "flow_sde", "dance_sde", "cps")
 ODE_SOLVERS = ("euler", "dpmpp_2m")
 REDUCTIONS = ("mean", "sum")
 _LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
@@ -219,20 +217,6 @@ class StepGaussian:
         return torch.where(self.stochastic, log_prob, 0.0)
 
 
-def gaussian_log_prob(value: Tensor, mean: Tensor, std: Tensor, reduce: str = "mean") -> Tensor:
-    """Exact log N(value; mean, std^2), per element with constants, reduced over non-batch dims.
-
-    value, mean: (B, ...) float32; std: (B,) float32 >= 0. Returns (B,) float32. ``value`` is
-    treated as data (detached). Rows with std == 0 return 0 (degenerate density; see Transition),
-    with a zero, NaN-free gradient.
-    """
-    if reduce not in REDUCTIONS:
-        raise ValueError(f"reduce must be one of {REDUCTIONS} (got {reduce!r})")
-    numel = int(value[0].numel()) if value.shape[0] else 0
-    gaussian = StepGaussian.build(torch.ones_like(std), torch.zeros_like(std), std, numel, reduce)
-    return gaussian.log_prob(value.detach() - mean)
-
-
 class _ScoredStep(torch.autograd.Function):
     """(mean, log_prob) of a given x' under a ``StepGaussian``, with the closed-form backward
     d log_prob / d mean = (x' - mean) * 2 half_precision / n (n = the row's element count for
@@ -273,31 +257,47 @@ class _ScoredStep(torch.autograd.Function):
         return grad_velocity, grad_sample, None, None
 
 
-def _affine_coefficients(kind: str, sigma: Tensor, sigma_next: Tensor, noise_level: Tensor
-                         ) -> tuple[Tensor, Tensor, Tensor]:
-    """(coef_x, coef_v, std), each (B,) float32, with mean = coef_x x + coef_v v for a stochastic
-    ``kind``: the table in the module docstring with x0_hat = x - sigma v and
-    eps_hat = x + (1 - sigma) v expanded. Every kind's mean is affine in (x, v) with per-sample
-    coefficients, so the full-size work of a step is two products and a sum."""
+# Each stochastic kind's step as (coef_x, coef_v, std), each (B,) float32, with
+# mean = coef_x x + coef_v v: the table in the module docstring with x0_hat = x - sigma v and
+# eps_hat = x + (1 - sigma) v expanded. Every kind's mean is affine in (x, v) with per-sample
+# coefficients, so the full-size work of a step is two products and a sum.
+def _cps_coefficients(sigma: Tensor, sigma_next: Tensor, noise_level: Tensor
+                      ) -> tuple[Tensor, Tensor, Tensor]:
+    std = sigma_next * torch.sin(noise_level * (math.pi / 2.0))
+    eps_coef = torch.sqrt(torch.clamp(sigma_next ** 2 - std ** 2, min=0.0))
+    # (1 - s') (x - s v) + c (x + (1 - s) v)
+    return 1.0 - sigma_next + eps_coef, eps_coef * (1.0 - sigma) - (1.0 - sigma_next) * sigma, std
+
+
+def _drift_coefficients(sigma: Tensor, sigma_next: Tensor, diffusion_sq: Tensor, std: Tensor
+                        ) -> tuple[Tensor, Tensor, Tensor]:
+    """The SDE kinds' Euler-Maruyama step x + [v + drift (x + (1 - s) v)] dt with
+    drift = diffusion^2 / (2 sigma); with a = 0, coef_x = 1 and coef_v = dt exactly, so the step
+    is Euler bit for bit."""
     dt = sigma_next - sigma
-    if kind == "cps":
-        std = sigma_next * torch.sin(noise_level * (math.pi / 2.0))
-        eps_coef = torch.sqrt(torch.clamp(sigma_next ** 2 - std ** 2, min=0.0))
-        # (1 - s') (x - s v) + c (x + (1 - s) v)
-        return 1.0 - sigma_next + eps_coef, eps_coef * (1.0 - sigma) - (1.0 - sigma_next) * sigma, std
-    if kind == "flow_sde":
-        sigma_tilde = torch.where(sigma == 1.0, sigma_next, sigma)
-        diffusion_sq = noise_level ** 2 * sigma / (1.0 - sigma_tilde)          # s^2
-        # s sqrt(-dt) written so that at sigma = 1 the ratio (-dt)/(1 - sigma_next) is exactly 1
-        # and std == noise_level exactly.
-        std = noise_level * torch.sqrt(sigma * (-dt) / (1.0 - sigma_tilde))
-    else:  # dance_sde
-        diffusion_sq = noise_level ** 2
-        std = noise_level * torch.sqrt(-dt)
     drift = diffusion_sq / (2.0 * sigma)
-    # x + [v + drift (x + (1 - s) v)] dt; with a = 0, coef_x = 1 and coef_v = dt exactly, so
-    # the step is Euler bit for bit.
     return 1.0 + drift * dt, dt * (1.0 + drift * (1.0 - sigma)), std
+
+
+def _flow_sde_coefficients(sigma: Tensor, sigma_next: Tensor, noise_level: Tensor
+                           ) -> tuple[Tensor, Tensor, Tensor]:
+    sigma_tilde = torch.where(sigma == 1.0, sigma_next, sigma)
+    diffusion_sq = noise_level ** 2 * sigma / (1.0 - sigma_tilde)          # s^2
+    # s sqrt(-dt) written so that at sigma = 1 the ratio (-dt)/(1 - sigma_next) is exactly 1
+    # and std == noise_level exactly.
+    std = noise_level * torch.sqrt(sigma * (sigma - sigma_next) / (1.0 - sigma_tilde))
+    return _drift_coefficients(sigma, sigma_next, diffusion_sq, std)
+
+
+def _dance_sde_coefficients(sigma: Tensor, sigma_next: Tensor, noise_level: Tensor
+                            ) -> tuple[Tensor, Tensor, Tensor]:
+    return _drift_coefficients(sigma, sigma_next, noise_level ** 2,
+                               noise_level * torch.sqrt(sigma - sigma_next))
+
+
+STOCHASTIC_STEPS = {"flow_sde": _flow_sde_coefficients, "dance_sde": _dance_sde_coefficients,
+                    "cps": _cps_coefficients}
+KINDS = ("ode", *STOCHASTIC_STEPS)
 
 
 def _check_values(kind: str, sigma: Tensor, sigma_next: Tensor, level: Tensor) -> None:
@@ -379,7 +379,7 @@ def transition(kind: str, velocity: Tensor, sample: Tensor, sigma: float | Tenso
         gaussian = StepGaussian.build(torch.ones_like(dt), dt, std, numel, reduce)
         return Transition(prev_sample=x_next, mean=mean, std=std,
                           log_prob=gaussian.log_prob(x_next.detach() - mean), gaussian=gaussian)
-    coef_x, coef_v, std = _affine_coefficients(kind, sigma_t, sigma_next_t, level)
+    coef_x, coef_v, std = STOCHASTIC_STEPS[kind](sigma_t, sigma_next_t, level)
     gaussian = StepGaussian.build(coef_x, coef_v, std, numel, reduce)
     if prev_sample is not None:
         log_prob, mean = _score(v, x, x_next, gaussian)

@@ -6,8 +6,8 @@ import math
 import pytest
 import torch
 
-from flowgrpo.losses import (flow_kl, guard_log_ratio, guard_step_weights, policy_loss, rectification_weights,
-                             surrogate_stats)
+from flowgrpo.losses import (check_weights, flow_kl, guard_log_ratio, guard_step_weights, policy_loss,
+                             rectification_weights, surrogate_stats)
 
 LOG_2PI = math.log(2 * math.pi)
 
@@ -20,6 +20,13 @@ def _gaussian_logp_mean(x: torch.Tensor, mean: torch.Tensor, std: torch.Tensor) 
 
 
 # ---------------------------------------------------------------- policy_loss
+def loss_and_stats(logp, logp_old, advantages, clip_low, clip_high, weights=None, log_ratio=None):
+    """policy_loss and the surrogate_stats of the same tensors (as the trainer pairs them)."""
+    loss = policy_loss(logp, logp_old, advantages, clip_low, clip_high, weights=weights,
+                       log_ratio=log_ratio)
+    ratio = (logp.detach() - logp_old) if log_ratio is None else log_ratio.detach()
+    return loss, surrogate_stats(ratio, advantages, clip_low, clip_high, weights)
+
 
 
 def test_policy_loss_closed_form():
@@ -28,7 +35,7 @@ def test_policy_loss_closed_form():
     advantages = torch.tensor([1.0, 2.0, -1.5, -1.0, 0.5])
     clip_low, clip_high = 0.1, 0.2
     weights = torch.tensor([1.0, 2.0, 1.0, 0.5, 3.0])
-    loss, stats = policy_loss(logp, logp_old, advantages, clip_low, clip_high, weights=weights)
+    loss, stats = loss_and_stats(logp, logp_old, advantages, clip_low, clip_high, weights=weights)
 
     expected_terms, kl = [], []
     for lp, a in zip(logp.tolist(), advantages.tolist()):
@@ -54,10 +61,8 @@ def test_surrogate_stats_over_concatenated_batches_equal_the_whole_batch():
     logp = torch.randn(12, generator=gen) * 0.2
     advantages = torch.randn(12, generator=gen)
     weights = torch.tensor([1.0, 0.0, 2.0] * 4)
-    _, whole = policy_loss(logp, torch.zeros(12), advantages, 0.1, 0.15, weights=weights)
+    _, whole = loss_and_stats(logp, torch.zeros(12), advantages, 0.1, 0.15, weights=weights)
     parts = [slice(0, 5), slice(5, 7), slice(7, 12)]
-    assert policy_loss(logp[parts[0]], torch.zeros(5), advantages[parts[0]], 0.1, 0.15,
-                       with_stats=False)[1] == {}
     joined = surrogate_stats(torch.cat([logp[p] for p in parts]), torch.cat([advantages[p] for p in parts]),
                              0.1, 0.15, torch.cat([weights[p] for p in parts]))
     for key, value in whole.items():
@@ -88,7 +93,7 @@ def test_on_policy_gradient_step_increases_logp_of_positive_advantage():
     logp_old = torch.tensor([-1.3, -0.7])
     logp = logp_old.clone().requires_grad_(True)
     advantages = torch.tensor([1.0, -2.0])
-    loss, stats = policy_loss(logp, logp_old, advantages, 1e-4, 1e-4)
+    loss, stats = loss_and_stats(logp, logp_old, advantages, 1e-4, 1e-4)
     assert stats["ratio_mean"].item() == 1.0
     loss.backward()
     # d loss / d logp = -A / B at ratio 1
@@ -106,7 +111,7 @@ def test_on_policy_gradient_step_increases_logp_of_positive_advantage():
      (0.01, 1.0, False)])  # inside the range
 def test_clip_zeroes_gradient_only_on_the_pushed_side(log_ratio, advantage, zero_gradient):
     logp = torch.tensor([log_ratio], requires_grad=True)
-    loss, _ = policy_loss(logp, torch.zeros(1), torch.tensor([advantage]), 0.2, 0.2)
+    loss = policy_loss(logp, torch.zeros(1), torch.tensor([advantage]), 0.2, 0.2)
     loss.backward()
     if zero_gradient:
         assert logp.grad.item() == 0.0
@@ -119,11 +124,11 @@ def test_zero_weight_rows_contribute_nothing_even_when_non_finite():
     logp_old = torch.zeros(3)
     advantages = torch.tensor([1.0, float("nan"), -1.0])
     weights = torch.tensor([2.0, 0.0, 1.0])
-    loss, stats = policy_loss(logp, logp_old, advantages, 0.2, 0.2, weights=weights)
+    loss, stats = loss_and_stats(logp, logp_old, advantages, 0.2, 0.2, weights=weights)
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(logp.grad).all()
     assert logp.grad[1].item() == 0.0
-    subset, _ = policy_loss(logp.detach()[[0, 2]], logp_old[[0, 2]], advantages[[0, 2]], 0.2, 0.2,
+    subset = policy_loss(logp.detach()[[0, 2]], logp_old[[0, 2]], advantages[[0, 2]], 0.2, 0.2,
                             weights=weights[[0, 2]])
     assert loss.item() == pytest.approx(subset.item(), rel=1e-6)
     assert stats["ratio_max"].item() == pytest.approx(math.exp(0.01), rel=1e-6)
@@ -134,10 +139,10 @@ def test_weights_keep_their_scale_across_micro_batches():
     # (a sum(w) normaliser would cancel them and silently disable per-timestep reweighting).
     logp = torch.tensor([0.01, -0.02, 0.03])
     advantages = torch.tensor([1.0, -0.5, 2.0])
-    plain, _ = policy_loss(logp, torch.zeros(3), advantages, 0.2, 0.2)
-    weighted, _ = policy_loss(logp, torch.zeros(3), advantages, 0.2, 0.2, weights=torch.full((3,), 3.0))
+    plain = policy_loss(logp, torch.zeros(3), advantages, 0.2, 0.2)
+    weighted = policy_loss(logp, torch.zeros(3), advantages, 0.2, 0.2, weights=torch.full((3,), 3.0))
     assert weighted.item() == pytest.approx(3.0 * plain.item(), rel=1e-6)
-    empty, _ = policy_loss(logp, torch.zeros(3), advantages, 0.2, 0.2, weights=torch.zeros(3))
+    empty = policy_loss(logp, torch.zeros(3), advantages, 0.2, 0.2, weights=torch.zeros(3))
     assert empty.item() == 0.0
 
 
@@ -145,7 +150,7 @@ def test_policy_loss_uses_given_log_ratio():
     logp = torch.zeros(3)
     log_ratio = torch.tensor([0.1, -0.1, 0.0])
     advantages = torch.tensor([1.0, 1.0, 1.0])
-    loss, stats = policy_loss(logp, logp, advantages, 0.5, 0.5, log_ratio=log_ratio)
+    loss, stats = loss_and_stats(logp, logp, advantages, 0.5, 0.5, log_ratio=log_ratio)
     assert loss.item() == pytest.approx(-(math.exp(0.1) + math.exp(-0.1) + 1) / 3, rel=1e-6)
     assert stats["ratio_max"].item() == pytest.approx(math.exp(0.1), rel=1e-6)
 
@@ -173,7 +178,7 @@ def test_policy_loss_closed_form_gradient_equals_autograd():
     weights = torch.tensor([1.0, 2.0, 0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 0.0], dtype=torch.float64)
     ours = log_ratio.clone().requires_grad_()
     reference = log_ratio.clone().requires_grad_()
-    loss, _ = policy_loss(ours, torch.zeros_like(log_ratio), advantages, clip_low, clip_high,
+    loss = policy_loss(ours, torch.zeros_like(log_ratio), advantages, clip_low, clip_high,
                           weights=weights)
     expected = _autograd_surrogate(reference, advantages, weights, clip_low, clip_high)
     loss.backward()
@@ -185,7 +190,7 @@ def test_policy_loss_closed_form_gradient_equals_autograd():
     assert torch.isfinite(ours.grad).all() and ours.grad[-1] == 0
     for edge, advantage in ((1 - clip_low, 1.0), (1 + clip_high, -1.0)):
         at_edge = torch.tensor([math.log(edge)], dtype=torch.float64, requires_grad=True)
-        loss, _ = policy_loss(at_edge, torch.zeros(1, dtype=torch.float64),
+        loss = policy_loss(at_edge, torch.zeros(1, dtype=torch.float64),
                               torch.tensor([advantage], dtype=torch.float64), clip_low, clip_high)
         loss.backward()
         assert at_edge.grad.item() == pytest.approx(-advantage * math.exp(at_edge.item()), rel=1e-12)
@@ -198,16 +203,15 @@ def test_policy_loss_rejects_bad_arguments():
     with pytest.raises(ValueError, match="advantages"):
         policy_loss(x, x, torch.zeros(2), 0.1, 0.1)
     with pytest.raises(ValueError, match="weights must be >= 0"):
-        policy_loss(x, x, x, 0.1, 0.1, weights=torch.tensor([1.0, -1.0, 1.0]))
+        check_weights(torch.tensor([1.0, -1.0, 1.0]))
     with pytest.raises(ValueError, match="weights must be >= 0"):
-        policy_loss(x, x, x, 0.1, 0.1, weights=torch.tensor([1.0, float("nan"), 1.0]))
-    # validate=False (the trainer, which checks an iteration's weights once) skips the value
-    # check, never the shape check
-    loss, _ = policy_loss(x, x, torch.ones(3), 0.1, 0.1, weights=torch.tensor([1.0, -1.0, 1.0]),
-                          validate=False)
-    assert loss.item() == pytest.approx(-1.0)   # rows with w <= 0 are masked, not flipped
+        check_weights(torch.tensor([1.0, float("nan"), 1.0]))
+    # policy_loss itself checks shapes, not weight values (the trainer checks an iteration's
+    # weights once): rows with w <= 0 are masked, not flipped
+    loss = policy_loss(x, x, torch.ones(3), 0.1, 0.1, weights=torch.tensor([1.0, -1.0, 1.0]))
+    assert loss.item() == pytest.approx(-1.0)
     with pytest.raises(ValueError, match="weights"):
-        policy_loss(x, x, x, 0.1, 0.1, weights=torch.ones(2), validate=False)
+        policy_loss(x, x, x, 0.1, 0.1, weights=torch.ones(2))
 
 
 # ---------------------------------------------------------------- GRPO-Guard
