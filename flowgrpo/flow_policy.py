@@ -66,11 +66,8 @@ class FlowPolicy:
     def _setup_trainable(self, default_targets: list[str]) -> dict[str, nn.Parameter]:
         m = self.config.model
         self.module.requires_grad_(False)
-        if m.gradient_checkpointing:
-            if hasattr(self.module, "gradient_checkpointing_enable"):
-                self.module.gradient_checkpointing_enable()
-            else:
-                self.module.enable_gradient_checkpointing()
+        if m.gradient_checkpointing:   # every family's transformer is a diffusers ModelMixin
+            self.module.enable_gradient_checkpointing()
         if not m.lora.enabled:
             self.module.requires_grad_(True)
             return {n: p for n, p in self.module.named_parameters() if p.requires_grad}

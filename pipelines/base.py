@@ -41,9 +41,6 @@ class AdapterOptions:
         "that are not cached yet. Saves their memory (T5-XXL: ~9 GB in bf16) during training.")})
     offload_vae: bool = field(default=False, metadata={"help": (
         "Keep the VAE on the CPU and move it to the device only while decoding.")})
-    gradient_checkpointing: bool = field(default=False, metadata={"help": (
-        "Recompute transformer activations in the backward pass (transformer."
-        "enable_gradient_checkpointing()): less memory, slower updates.")})
     attention_backend: str = field(default="sdpa", metadata={"help": (
         "'sdpa' (torch scaled_dot_product_attention, default) or 'xformers' (needs the xformers "
         "package).")})
@@ -301,8 +298,6 @@ class DiffusersFlowModel:
     def _configure(self) -> None:
         """Devices, training switches and memory options (called once by ``__init__``)."""
         self.transformer.to(self.device).requires_grad_(False)
-        if self.options.gradient_checkpointing:
-            self.transformer.enable_gradient_checkpointing()
         apply_attention_backend(self.transformer, self.options.attention_backend)
         for name in self.text_encoder_names:
             encoder = self.components.get(name)

@@ -206,9 +206,17 @@ def test_unmatched_lora_target_is_an_error(sd3):
         check_lora_targets(sd3.transformer, ["attn.to_q", "attn.to_qq"], "sd3")
 
 
-def test_gradient_checkpointing_option(tiny_sd3_dir):
-    model = load_model("sd3", tiny_sd3_dir, options={**IMAGE_OPTIONS, "gradient_checkpointing": True})
-    assert model.transformer.is_gradient_checkpointing
+def test_gradient_checkpointing_is_the_configs_one_switch(tiny_sd3_dir, tmp_path):
+    """model.gradient_checkpointing (the only switch) turns it on in the transformer; adapters
+    have no option of their own."""
+    from flowgrpo.trainer import Trainer
+    from tests.test_trainer import tiny_config
+
+    with pytest.raises(ValueError, match="gradient_checkpointing"):
+        load_model("sd3", tiny_sd3_dir, options={**IMAGE_OPTIONS, "gradient_checkpointing": True})
+    trainer = Trainer(tiny_config(tiny_sd3_dir, tmp_path, "model.gradient_checkpointing=true"))
+    assert trainer.module.is_gradient_checkpointing
+    assert trainer.run_iteration(0)["train/first_pass_ratio_max_dev"] == 0.0
 
 
 def test_component_dtypes_follow_options(tiny_sd3_dir):
