@@ -22,7 +22,8 @@ from flowgrpo.losses import (check_weights, flow_kl, guard_log_ratio, guard_step
                              policy_loss, rectification_weights, surrogate_stats)
 from flowgrpo.passk import family_mean_se, mean_and_se
 from flowgrpo.plans import make_plan
-from flowgrpo.policy import Through, float32_trainable, frozen_reference, swapped_attribute
+from flowgrpo.policy import (Through, eval_share, float32_trainable, frozen_reference,
+                             gather_rows, swapped_attribute)
 from flowgrpo.prompts import eval_selection
 from flowgrpo.rollout import (RolloutBatch, RolloutSettings, eval_noise, replay_logp, rollout,
                               sample_ode)
@@ -246,31 +247,44 @@ class FlowPolicy:
         return stats
 
     # ------------------------------------------------------------------ evaluation
-    def eval_noise(self, count: int) -> Tensor:
-        """Initial noise of evaluation sample i: seeded by (seed, "eval", i), the same at every
-        evaluation of the run and in ``flowgrpo eval``."""
-        return eval_noise(self.model, self.config.run.seed, count)
+    def eval_noise(self, indices) -> Tensor:
+        """Initial noise of evaluation samples ``indices`` (an int n: samples 0..n-1), seeded by
+        (seed, "eval", i): the same at every evaluation of the run and in ``flowgrpo eval``."""
+        indices = range(indices) if isinstance(indices, int) else indices
+        return eval_noise(self.model, self.config.run.seed, indices)
 
-    def _sample(self, prompts: list[str], batch_size: int | None = None) -> Tensor:
+    def _sample(self, prompts: list[str], indices, batch_size: int | None = None) -> Tensor:
+        """Deterministic samples of ``prompts`` from the evaluation noise of ``indices``."""
         s = self.config.sampling
         guidance = s.guidance_scale if s.eval_guidance_scale is None else s.eval_guidance_scale
         with torch.no_grad(), self.accelerator.autocast():
-            return sample_ode(self.model, prompts, self.eval_noise(len(prompts)), s.eval_num_steps,
+            return sample_ode(self.model, prompts, self.eval_noise(indices), s.eval_num_steps,
                               guidance, **({"batch_size": batch_size} if batch_size else {}))
 
     def evaluate(self, records: list[dict], iteration: int, out_dir: Path | None
                  ) -> dict[str, float]:
         """Deterministic-sampler rewards on the held-out prompts (``eval_selection``): the mean of
         every component with its standard error, per task family and their mean (GenEval's
-        overall score). Saves the first 64 images to ``out_dir/eval_<iteration>.png``."""
+        overall score). Every process samples and scores its share of the rows
+        (``eval_share``; sample i keeps its noise whatever the process count) and every process
+        returns the metrics of all rows. Saves the first 64 images to
+        ``out_dir/eval_<iteration>.png`` when ``out_dir`` is given."""
         p = self.config.prompts
+        acc = self.accelerator
         records = eval_selection(records, p.eval_per_family, p.eval_seeds)
         if not records:
             return {}
-        prompts = [r["prompt"] for r in records]
+        indices, real = eval_share(len(records), acc.num_processes, acc.process_index)
+        media = self._sample([records[i]["prompt"] for i in indices], indices,
+                             max(self.config.sampling.rollout_batch_size, 16))[:real]
+        mine = indices[:real]
+        local = self.reward(media, [records[i]["prompt"] for i in mine],
+                            [records[i]["metadata"] for i in mine]) if real else {}
+        rows = gather_rows([{k: float(v[j]) for k, v in local.items()} for j in range(real)], acc)
+        keep = [j for j, i in enumerate(mine) if i < 64]
+        shown = gather_rows([media[j] for j in keep], acc)   # a collective: every process
+        scores = {k: torch.tensor([row[k] for row in rows]) for k in rows[0]} if rows else {}
         metadata = [r["metadata"] for r in records]
-        media = self._sample(prompts, max(self.config.sampling.rollout_batch_size, 16))
-        scores = self.reward(media, prompts, metadata)
         metrics: dict[str, float] = {}
         families = sorted({str(m.get("family")) for m in metadata if m.get("family")})
         for name, values in scores.items():
@@ -288,10 +302,11 @@ class FlowPolicy:
             if per_family:
                 metrics[f"eval/{name}/family_mean"] = _mean(per_family)
                 metrics[f"eval/{name}/family_mean/se"] = family_mean_se(per_family_se)
-        if out_dir is not None:
+        if out_dir is not None and shown:
             from torchvision.utils import save_image
 
-            images = media[:64] if media.dim() == 4 else media[:16, 0]
+            stacked = torch.stack(shown)
+            images = stacked if stacked.dim() == 4 else stacked[:16, 0]
             out_dir.mkdir(parents=True, exist_ok=True)
             save_image(images, out_dir / f"eval_{iteration:05d}.png", nrow=8)
         return metrics
@@ -302,7 +317,7 @@ class FlowPolicy:
         from safetensors.torch import save_file
 
         if records:
-            media = self._sample([r["prompt"] for r in records])
+            media = self._sample([r["prompt"] for r in records], range(len(records)))
             save_file({"media": media.contiguous()}, str(run_dir / f"grid_{tag}.safetensors"))
 
     def write_comparison_grid(self, records: list[dict], run_dir: Path, final_label: str

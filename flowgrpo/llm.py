@@ -37,7 +37,7 @@ from torch import Tensor, nn
 from flowgrpo.config import ConfigError, TrainConfig
 from flowgrpo.losses import token_policy_loss
 from flowgrpo.dtypes import parse_dtype
-from flowgrpo.policy import float32_trainable, frozen_reference
+from flowgrpo.policy import eval_share, float32_trainable, frozen_reference, gather_rows
 from flowgrpo.prompts import sample_groups
 from flowgrpo.seeding import seeded_generator
 
@@ -695,39 +695,54 @@ class LMPolicy:
 
         if not records:
             return {}
-        llm = self.config.llm
+        llm, acc = self.config.llm, self.accelerator
         seeds = self.config.prompts.eval_seeds if llm.eval_temperature > 0 else 1
         records = [r for r in records for _ in range(seeds)]
-        prompts = [r["prompt"] for r in records]
-        metadata = [r["metadata"] for r in records]
+        # Every process generates its share (sample i keeps its generator whatever the process
+        # count); the rows are gathered so every process returns the metrics of all of them.
+        indices, real = eval_share(len(records), acc.num_processes, acc.process_index)
+        prompts = [records[i]["prompt"] for i in indices]
         generators = None
         if llm.eval_temperature > 0:
-            generators = [seeded_generator(self.config.run.seed, "eval", i)
-                          for i in range(len(records))]
+            generators = [seeded_generator(self.config.run.seed, "eval", i) for i in indices]
         with self.accelerator.autocast():
             _, completion_ids, truncated = generate_completions(
                 self.module, self.model.tokenizer, prompts, max_new_tokens=llm.max_new_tokens,
                 batch_size=max(self.config.sampling.rollout_batch_size, 64),
                 temperature=llm.eval_temperature or 1.0, top_p=llm.top_p, generators=generators)
+        mine = indices[:real]
         completions = [self.model.tokenizer.decode(c, skip_special_tokens=True)
-                       for c in completion_ids]
-        lengths = torch.tensor([len(c) for c in completion_ids])
-        scores = self.reward(completions, prompts, metadata, lengths)
+                       for c in completion_ids[:real]]
+        metadata = [records[i]["metadata"] for i in mine]
+        lengths = torch.tensor([len(c) for c in completion_ids[:real]])
+        scores = self.reward(completions, [records[i]["prompt"] for i in mine], metadata,
+                             lengths) if real else {}
+        has_answers = any(r["metadata"].get("answer") is not None for r in records)
+        correct = (ExactMatchReward()(completions, [records[i]["prompt"] for i in mine],
+                                      metadata) if has_answers and real else None)
+        rows = gather_rows([{"scores": {k: float(v[j]) for k, v in scores.items()},
+                             "completion": completions[j], "length": int(lengths[j]),
+                             "truncated": bool(truncated[j]),
+                             "correct": None if correct is None else float(correct[j])}
+                            for j in range(real)], acc)
         metrics: dict[str, float] = {}
-        for name, values in scores.items():
+        for name in rows[0]["scores"] if rows else []:
+            values = torch.tensor([row["scores"][name] for row in rows])
             valid = values[~values.isnan()]
             metrics[f"eval/{name}"] = float(valid.mean()) if len(valid) else float("nan")
-        if any(m.get("answer") is not None for m in metadata):
-            correct = ExactMatchReward()(completions, prompts, metadata)
-            metrics["eval/accuracy"] = float(correct[~correct.isnan()].mean())
-        metrics["eval/completion_length"] = float(lengths.float().mean())
-        metrics["eval/truncated_fraction"] = float(torch.tensor(truncated).float().mean())
+        if has_answers:
+            correct_all = torch.tensor([row["correct"] for row in rows])
+            metrics["eval/accuracy"] = float(correct_all[~correct_all.isnan()].mean())
+        metrics["eval/completion_length"] = float(torch.tensor(
+            [row["length"] for row in rows], dtype=torch.float32).mean())
+        metrics["eval/truncated_fraction"] = float(torch.tensor(
+            [row["truncated"] for row in rows], dtype=torch.float32).mean())
         if out_dir is not None:
             out_dir.mkdir(parents=True, exist_ok=True)
             with open(out_dir / f"eval_{iteration:05d}.jsonl", "w") as f:
-                for i in range(min(len(records), 64)):
-                    f.write(json.dumps({"prompt": prompts[i], "completion": completions[i],
-                                        "total": float(scores["total"][i])}) + "\n")
+                for record, row in list(zip(records, rows))[:64]:
+                    f.write(json.dumps({"prompt": record["prompt"], "completion": row["completion"],
+                                        "total": row["scores"].get("total")}) + "\n")
         return metrics
 
     def greedy_completions(self, records: list[dict]) -> dict[str, list]:

@@ -75,6 +75,31 @@ class Policy(Protocol):
         ``state_dict`` is the consolidated trainable state under a sharded engine."""
 
 
+def eval_share(count: int, num_processes: int, process_index: int) -> tuple[list[int], int]:
+    """This process's share of ``count`` evaluation rows: contiguous chunks of ceil(count / P)
+    rows, the last ones padded by repeating a row, so that every process runs the same number of
+    forwards (a sharded engine gathers parameters in every forward). Returns (indices, real):
+    the first ``real`` indices are this process's rows, the rest padding."""
+    per = -(-count // num_processes) if count else 0
+    start = min(process_index * per, count)
+    real = max(0, min(count, start + per) - start)
+    indices = list(range(start, start + real))
+    filler = indices[-1] if indices else 0
+    return indices + [filler] * (per - real) if count else [], real
+
+
+def gather_rows(rows: list, accelerator) -> list:
+    """Every process's list of rows (picklable values: floats, CPU tensors), concatenated in
+    process order; every process gets all of them."""
+    if accelerator.num_processes == 1:
+        return list(rows)
+    import torch.distributed as dist
+
+    parts: list = [None] * accelerator.num_processes
+    dist.all_gather_object(parts, rows)
+    return [row for part in parts for row in part]
+
+
 def load_policy_class(kind: str) -> type:
     module_name, _, class_name = POLICIES[kind].partition(":")
     return getattr(importlib.import_module(module_name), class_name)

@@ -13,7 +13,7 @@ the same rollout on one process or many, and a resumed run repeats the uninterru
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -235,12 +235,11 @@ def replay_logp(model: FlowModel, replay: ReplayBatch, cond: Conditioning, setti
     return score_step(velocity, replay.latents, replay.next_latents, replay.gaussian)
 
 
-def eval_noise(model: FlowModel, seed: int, count: int) -> Tensor:
-    """(count, ...) initial noise of evaluation samples 0..count-1: sample i draws from the
-    generator of (seed, "eval", i), so the trainer's evaluations and ``flowgrpo eval`` of a config
-    sample the same pictures."""
-    return torch.cat([model.initial_noise(1, seeded_generator(seed, "eval", i))
-                      for i in range(count)])
+def eval_noise(model: FlowModel, seed: int, indices: Sequence[int]) -> Tensor:
+    """(len(indices), ...) initial noise of evaluation samples ``indices``: sample i draws from
+    the generator of (seed, "eval", i), so the trainer's evaluations (on any number of processes)
+    and ``flowgrpo eval`` of a config sample the same pictures."""
+    return torch.cat([model.initial_noise(1, seeded_generator(seed, "eval", i)) for i in indices])
 
 
 @torch.no_grad()

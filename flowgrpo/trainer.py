@@ -28,7 +28,7 @@ from flowgrpo import checkpoint as ckpt
 from flowgrpo.advantages import decoupled_advantages, group_advantages
 from flowgrpo.config import ConfigError, TrainConfig, dump_config, to_dict, validate
 from flowgrpo.ema import EMA
-from flowgrpo.policy import load_policy_class
+from flowgrpo.policy import gather_rows, load_policy_class
 from flowgrpo.prompts import (PromptCurriculum, bucket_labels, comparison_prompts, load_prompts,
                               mixed_groups, sample_indices)
 from flowgrpo.seeding import seeded_generator
@@ -428,6 +428,26 @@ class Trainer:
         return metrics
 
     # ------------------------------------------------------------------ evaluation and grids
+    def everywhere(self, section: str, work: Callable[[], Any]) -> Any:
+        """Run ``work`` on every process. When it raises on any process, every process raises
+        (its own error, or one naming the process that failed) instead of waiting at the next
+        collective. ``work`` must reach its own collectives on every process."""
+        acc = self.accelerator
+        result, error = None, None
+        try:
+            result = work()
+        except Exception as err:   # noqa: BLE001 (re-raised below, on every process)
+            error = err
+        if acc.num_processes > 1:
+            own = None if error is None else \
+                f"process {acc.process_index}: {type(error).__name__}: {error}"
+            failed = [m for m in gather_rows([own], acc) if m]
+            if failed and error is None:
+                raise RuntimeError(f"{section} failed on another process ({failed[0]})")
+        if error is not None:
+            raise error
+        return result
+
     def _everywhere_or_main(self, section: str, work: Callable[[], Any]) -> Any:
         """Sampling sections: on the main process alone, except under a sharded engine, where
         every forward gathers parameter shards and so every process must run it."""
@@ -556,8 +576,8 @@ class Trainer:
                 self.accelerator.log(scalars, step=record["iteration"])
 
     def eval_and_log(self, iteration: int) -> None:
-        metrics = self._everywhere_or_main(f"evaluation at {iteration}",
-                                           lambda: self.evaluate(iteration))
+        # Every process evaluates its share of the held-out rows (the policy gathers them).
+        metrics = self.everywhere(f"evaluation at {iteration}", lambda: self.evaluate(iteration))
         self.log({"iteration": iteration, "phase": "eval", **(metrics or {})})
 
     def train(self, resume: str | None = None) -> list[dict]:

@@ -32,6 +32,8 @@ record = {
     "first_pass_ratio_max_dev": [h["train/first_pass_ratio_max_dev"] for h in history
                                  if h["phase"] == "train"],
     "optimizer_steps": [h["train/optimizer_steps"] for h in history if h["phase"] == "train"],
+    "eval": [{k: v for k, v in h.items() if k.startswith("eval/")} for h in history
+             if h["phase"] == "eval"],
 }
 if acc.is_main_process:
     with open(out_path, "w") as f:

@@ -72,8 +72,10 @@ def train_config(path: Path, tmp: Path, name: str, model: dict, **training) -> N
     path.write_text(yaml.safe_dump({
         "name": name,
         "model": model,
-        "prompts": {"train": str(tmp / "prompts.txt"), "eval": None},
-        "sampling": {"num_steps": 3, "rollout_batch_size": 2, "guidance_scale": 1.0},
+        # 3 held-out rows over 2 processes: 2 on one, 1 (+ 1 padding) on the other
+        "prompts": {"train": str(tmp / "prompts.txt"), "eval": str(tmp / "prompts.txt")},
+        "sampling": {"num_steps": 3, "rollout_batch_size": 2, "guidance_scale": 1.0,
+                     "eval_num_steps": 3},
         # 2 groups of 4: one group per process. 2 inner epochs of one optimiser step each: the
         # second replays off-policy (ratios != 1), and each step accumulates every replay batch
         # of the process, all but the last without gradient sync.
@@ -108,7 +110,8 @@ def assert_same_weights(one: dict, two: dict, start: dict | None = None) -> None
 @pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
 def test_ddp_two_processes_train_the_same_weights_as_one(tiny_sd3_path, tmp_path, lora):
     """3 iterations of tiny SD3 on 1 and on 2 processes end with the same weights; on 2 the
-    trainable parameters are those of the DDP wrapper (gradients all-reduced by DDP)."""
+    trainable parameters are those of the DDP wrapper (gradients all-reduced by DDP), and the
+    evaluation split over both processes gives the metrics of one."""
     model = {"family": "sd3", "path": tiny_sd3_path, "options": {"height": 32, "width": 32},
              "lora": {"enabled": lora, "rank": 4, "alpha": 8}}
     for processes in (1, 2):
@@ -124,6 +127,12 @@ def test_ddp_two_processes_train_the_same_weights_as_one(tiny_sd3_path, tmp_path
             assert record["wrapper"] == "DistributedDataParallel"
             assert record["wrapped_parameters"] == record["trainable"]
     assert_same_weights(final_weights(tmp_path / "1", "ddp"), final_weights(tmp_path / "2", "ddp"))
+    evals = [json.loads((tmp_path / str(p) / "out.json").read_text())["eval"] for p in (1, 2)]
+    assert len(evals[0]) == len(evals[1]) == 2 and "eval/brightness" in evals[0][0]
+    for one, two in zip(*evals):
+        assert one.keys() == two.keys()
+        for key in one:
+            assert two[key] == pytest.approx(one[key], abs=1e-4), key
 
 
 @pytest.mark.slow

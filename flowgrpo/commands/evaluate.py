@@ -172,7 +172,7 @@ def run_eval(args: argparse.Namespace) -> int:
     elif per_prompt is not None:
         # The config's eval noise stream (seeded by run.seed), one draw per sample, prompt-major.
         rows = [(record, None) for record in records for _ in range(per_prompt)]
-        noise = eval_noise(model, config.run.seed, len(rows))
+        noise = eval_noise(model, config.run.seed, range(len(rows)))
     else:
         # The trainer's evaluation samples and noise (FlowPolicy.evaluate, rollout.eval_noise): its
         # eval/ metrics are reproduced, including eval_per_family's balanced selection.
@@ -180,7 +180,7 @@ def run_eval(args: argparse.Namespace) -> int:
 
         selection = eval_selection(records, config.prompts.eval_per_family, config.prompts.eval_seeds)
         rows = [(record, None) for record in selection]
-        noise = eval_noise(model, config.run.seed, len(rows))
+        noise = eval_noise(model, config.run.seed, range(len(rows)))
     prompts = [record["prompt"] for record, _ in rows]
     metadata = [record["metadata"] for record, _ in rows]
     bar = progress_bar(math.ceil(len(rows) / batch_size), "eval", args.quiet)
