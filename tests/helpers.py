@@ -18,6 +18,21 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def report_and_close(accelerator, out_path: str, record: dict) -> None:
+    """End of a launched test process: the main process writes ``record`` as JSON, every process
+    waits for it, then leaves the process group cleanly (no gloo abort at exit)."""
+    import json
+
+    import torch
+
+    if accelerator.is_main_process:
+        with open(out_path, "w") as f:
+            json.dump(record, f)
+    accelerator.wait_for_everyone()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
 def load_benchmark(name: str) -> ModuleType:
     """benchmarks/<name>.py as a module (benchmarks/ is scripts, not a package)."""
     path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"

@@ -1,12 +1,12 @@
 """Run under ``accelerate launch`` by tests/test_multiprocess.py: one rollout + advantages, and
 write what this process computed (gathered over processes) to OUT."""
-import json
 import sys
 
 import torch
 
 from flowgrpo.config import load_config
 from flowgrpo.trainer import Trainer
+from tests.helpers import report_and_close
 
 torch.set_num_threads(1)
 config_path, out_path = sys.argv[1], sys.argv[2]
@@ -21,9 +21,4 @@ record = {
     "advantages": acc.gather(advantages).tolist(),
     "num_processes": acc.num_processes,
 }
-if acc.is_main_process:
-    with open(out_path, "w") as f:
-        json.dump(record, f)
-acc.wait_for_everyone()
-if torch.distributed.is_initialized():
-    torch.distributed.destroy_process_group()   # a clean gloo shutdown (no abort at exit)
+report_and_close(acc, out_path, record)

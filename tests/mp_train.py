@@ -1,7 +1,6 @@
 """Run under ``accelerate launch`` by tests/test_multiprocess.py: train a config end to end and
 report what the engine did. ``mode``: "train" (train, write OUT), "fail_save" (the main process
 raises while saving a checkpoint: every process must exit with that error)."""
-import json
 import sys
 
 import torch
@@ -9,6 +8,7 @@ import torch
 from flowgrpo import checkpoint as ckpt
 from flowgrpo.config import load_config
 from flowgrpo.trainer import Trainer
+from tests.helpers import report_and_close
 
 torch.set_num_threads(1)
 mode, config_path, out_path = sys.argv[1], sys.argv[2], sys.argv[3]
@@ -35,9 +35,4 @@ record = {
     "eval": [{k: v for k, v in h.items() if k.startswith("eval/")} for h in history
              if h["phase"] == "eval"],
 }
-if acc.is_main_process:
-    with open(out_path, "w") as f:
-        json.dump(record, f)
-acc.wait_for_everyone()
-if torch.distributed.is_initialized():
-    torch.distributed.destroy_process_group()   # a clean gloo shutdown (no abort at exit)
+report_and_close(acc, out_path, record)
