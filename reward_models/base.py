@@ -1,6 +1,8 @@
 """The reward interface and the name registry.
 
 A reward maps media to one float per sample; NaN means "no score" and is masked downstream.
++-inf means the same: ``as_score_vector``, which every reward's output passes through, turns it
+into NaN (``mask_nonfinite``).
 Rewards that produce several named scores (e.g. the toy verifier's exact verdict and partial
 credit) also implement ``components``; ``MultiReward`` logs each component separately.
 
@@ -17,6 +19,7 @@ Optional attributes a reward class may define (all read with ``getattr``, none r
 """
 from __future__ import annotations
 
+import warnings
 from typing import Callable, Protocol, runtime_checkable
 
 import torch
@@ -82,13 +85,36 @@ def score_with_components(reward, media: Tensor, prompts: list[str],
     return reward(media, prompts, metadata), parts
 
 
+def mask_nonfinite(scores: Tensor) -> tuple[Tensor, int]:
+    """``scores`` with +-inf replaced by NaN ("no score") and how many were replaced.
+
+    The one rule for non-finite rewards: an infinite score is as unusable as a missing one (one
+    inf makes its group's mean and std inf, every advantage of the batch NaN, and the whole
+    update a no-op), so it is masked exactly like NaN: advantage 0, left out of every statistic
+    and counted in ``reward/nan_count``."""
+    infinite = torch.isinf(scores)
+    count = int(infinite.sum())
+    if count:
+        scores = torch.where(infinite, torch.full_like(scores, float("nan")), scores)
+    return scores, count
+
+
 def as_score_vector(values, batch: int, reward_name: str) -> Tensor:
     """Coerce a reward's output (tensor, array or list) to a (batch,) float32 CPU tensor, or raise
-    a ValueError naming the reward when the shape is wrong."""
+    a ValueError naming the reward when the shape is wrong. +-inf become NaN (``mask_nonfinite``)
+    with a warning naming the reward: every reward's output passes here (``ManagedReward`` and the
+    LM policy's text rewards), so this is where non-finite scores turn into missing ones."""
     scores = torch.as_tensor(values).detach().to(device="cpu", dtype=torch.float32)
     if scores.ndim == 2 and scores.shape[1] == 1:
         scores = scores[:, 0]
     if scores.shape != (batch,):
         raise ValueError(f"reward {reward_name!r} returned shape {tuple(scores.shape)}; "
                          f"expected ({batch},), one score per sample")
+    scores, infinite = mask_nonfinite(scores)
+    if infinite:
+        # No count in the text: Python shows a given warning once per process, not per batch;
+        # the per-iteration count is the trainer's reward/nan_count.
+        warnings.warn(f"reward {reward_name!r} returned +-inf for some samples; they are "
+                      f"treated as missing (NaN): advantage 0, counted in reward/nan_count",
+                      RuntimeWarning, stacklevel=2)
     return scores

@@ -5,7 +5,8 @@ else the reward's name (its class's ``name`` attribute, else the registered name
 name for a ``"module:Class"`` path); ``<key>.<component>`` for each named component of rewards that have
 ``components`` (logged only: not weighted, not in ``weights``); ``"total"`` = sum over rewards of
 ``weight * main score`` (rewards with weight 0 are left out), NaN for a sample where any weighted
-score is NaN.
+score is NaN or the sum is not finite. Scores of +-inf arrive here as NaN already
+(``base.as_score_vector``).
 
 ``aggregation`` tells the trainer how to turn this into advantages:
 ``"weighted_sum"``: group-normalise ``"total"``; ``"decoupled"`` (GDPO): normalise each key of
@@ -18,7 +19,7 @@ import math
 import torch
 from torch import Tensor
 
-from .base import score_with_components
+from .base import mask_nonfinite, score_with_components
 from .loading import ManagedReward, _split_spec, load_reward
 
 AGGREGATIONS = ("weighted_sum", "decoupled")
@@ -95,4 +96,6 @@ def weighted_total(scores: dict[str, Tensor], weights: dict[str, float]) -> Tens
     total = weights[keys[0]] * scores[keys[0]].float()
     for key in keys[1:]:
         total = total + weights[key] * scores[key].float()
-    return total
+    # Finite scores can still overflow float32 in the sum (a large weight times a large score);
+    # such a sample has no usable total, like one whose score is missing.
+    return mask_nonfinite(total)[0]
