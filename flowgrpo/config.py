@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -31,8 +32,22 @@ from flowgrpo.plans import PlanConfig
 LR_DECAYS = ("constant", "linear", "cosine")
 
 
-class ConfigError(ValueError):
+class InputError(ValueError):
+    """Something the user gave is wrong (a config value, a prompt file, a run folder, a
+    ``--resume`` target): the message says what and how to fix it. ``flowgrpo train`` prints
+    these as one line; any other exception keeps its traceback, because it is a bug or a failure
+    of the machine rather than of the input."""
+
+
+class ConfigError(InputError):
     """A configuration value is wrong; the message names the field and the fix."""
+
+
+# Option names whose values are secrets, at any depth of the config (compared lower-case, "-"
+# read as "_"; a name ending in "_<one of these>" counts too, e.g. hf_token). Redacted from the
+# run folder's config.yaml and the trackers' hyper-parameters.
+SECRET_OPTION_NAMES = ("token", "api_key", "apikey", "password", "secret")
+REDACTED = "***"
 
 
 def _help(text: str, **kw: Any) -> Any:
@@ -401,8 +416,59 @@ def to_dict(config: Any) -> Any:
     return config
 
 
+def is_secret_name(key: Any) -> bool:
+    """Whether an option called ``key`` holds a secret (token, api_key, password, secret; any
+    case, "-" or "_", and names ending in "_token" etc.). ``token_env`` names a variable, not a
+    secret, and stays visible."""
+    if not isinstance(key, str):
+        return False
+    name = key.lower().replace("-", "_")
+    return name in SECRET_OPTION_NAMES or name.endswith(tuple(f"_{s}" for s in SECRET_OPTION_NAMES))
+
+
+def redact(tree: Any) -> Any:
+    """A copy of a plain config tree (``to_dict``) with every secret-named value, at any depth,
+    replaced by ``REDACTED``: what config dumps and trackers get."""
+    if isinstance(tree, dict):
+        return {k: (REDACTED if is_secret_name(k) and v is not None else redact(v))
+                for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return [redact(v) for v in tree]
+    return tree
+
+
 def dump_config(config: TrainConfig, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
+    """Write the config as YAML with secrets redacted (``redact``): the file is for reading and
+    re-running, and a token in it would leak to whoever can read the run folder."""
+    Path(path).write_text(yaml.safe_dump(redact(to_dict(config)), sort_keys=False))
+
+
+def resume_signature(config: TrainConfig) -> dict[str, Any]:
+    """The config fields a checkpoint's weights and optimiser state are only valid for: the
+    model, the LoRA layout and the sampling plan. Stored in every checkpoint and compared on
+    resume (``checkpoint.open_run``); everything else (lr, iterations, logging) may change."""
+    m = config.model
+    return {
+        "policy": config.policy,
+        "model.family": m.family,
+        "model.path": m.path,
+        "model.lora.enabled": m.lora.enabled,
+        "model.lora.rank": m.lora.rank if m.lora.enabled else None,
+        "model.lora.alpha": m.lora.alpha if m.lora.enabled else None,
+        "model.lora.target_modules": (list(m.lora.target_modules)
+                                      if m.lora.enabled and m.lora.target_modules is not None
+                                      else None),
+        "sampling.num_steps": config.sampling.num_steps,
+        "sampling.plan": to_dict(config.sampling.plan) if config.policy == "flow" else None,
+    }
+
+
+def json_roundtrip(value: Any) -> Any:
+    """``value`` as it reads back from JSON (tuples become lists), for comparisons with what a
+    checkpoint stored."""
+    import json
+
+    return json.loads(json.dumps(value))
 
 
 # --------------------------------------------------------------------------- validation
@@ -413,24 +479,107 @@ def _choice(value: str, choices: tuple[str, ...], name: str) -> None:
 
 
 def _positive(value: float, name: str, allow_zero: bool = False) -> None:
-    if value < 0 or (value == 0 and not allow_zero):
+    # "not value > 0" rather than "value <= 0": NaN fails every comparison and must not pass.
+    if not (value > 0 or (allow_zero and value == 0)):
         bound = ">= 0" if allow_zero else "> 0"
         raise ConfigError(f"{name} must be {bound} (got {value})")
 
 
+def _in_range(value: float, low: float, high: float, name: str, *, low_open: bool = False,
+              high_open: bool = False, meaning: str = "") -> None:
+    above = value > low if low_open else value >= low
+    below = value < high if high_open else value <= high
+    if not (above and below):
+        interval = f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+        raise ConfigError(f"{name} must be in {interval}{meaning} (got {value})")
+
+
+def _check_finite(node: Any, path: str = "") -> None:
+    """Every float field of the config tree must be finite: NaN passes every ``<``/``>`` range
+    check, and an inf lr or noise level turns the whole run into NaN without an error."""
+    if not dataclasses.is_dataclass(node):
+        return
+    for f in dataclasses.fields(node):
+        value = getattr(node, f.name)
+        name = f"{path}{f.name}"
+        if dataclasses.is_dataclass(value):
+            _check_finite(value, name + ".")
+            continue
+        items = list(enumerate(value)) if isinstance(value, (list, tuple)) else [(None, value)]
+        for index, item in items:
+            where = name if index is None else f"{name}[{index}]"
+            if dataclasses.is_dataclass(item):    # rewards.components[i]
+                _check_finite(item, where + ".")
+            elif isinstance(item, float) and not math.isfinite(item):
+                default = (f.default if f.default is not dataclasses.MISSING
+                           else f.default_factory())
+                raise ConfigError(f"{where} must be a finite number (got {item}); set a finite "
+                                  f"value (default {default!r}; see flowgrpo train --help-config)")
+
+
+def _registry_choices() -> dict[str, tuple[str, ...]]:
+    """Allowed values of the choice fields, read from the registries that consume them (one
+    source: adding a model family, policy or scaling there makes it valid here). Imported on
+    use: each import is light (no model libraries), and the policy module imports this one."""
+    from flowgrpo.advantages import SCALES
+    from flowgrpo.losses import TOKEN_AGGREGATIONS, TOKEN_LEVELS
+    from flowgrpo.policy import POLICIES
+    from flowgrpo.sde import KINDS
+    from pipelines import MODEL_FAMILIES
+    from reward_models.multi import AGGREGATIONS
+
+    return {
+        "policy": tuple(POLICIES),
+        "model.family": tuple(MODEL_FAMILIES),
+        # "ode" is the deterministic evaluation step: it has no log-probability to train on.
+        "sampling.kind": tuple(k for k in KINDS if k != "ode"),
+        "training.adv_scale": tuple(SCALES),
+        "training.lr_decay": LR_DECAYS,
+        "rewards.aggregation": tuple(AGGREGATIONS),
+        "llm.aggregation": tuple(TOKEN_AGGREGATIONS),
+        "llm.level": tuple(TOKEN_LEVELS),
+    }
+
+
+def _check_reward_names(config: TrainConfig) -> None:
+    """Flow rewards resolve through reward_models' registry (built-ins, @register_reward
+    classes, entry points): an unknown plain name fails here, before any model loads.
+    ``package.module:Class`` paths are imported only when the reward loads."""
+    if config.policy != "flow":
+        return   # the llm policy has its own text rewards, checked by flowgrpo/llm.py
+    from reward_models.loading import available_rewards
+
+    known = None
+    for i, spec in enumerate(config.rewards.components):
+        if not spec.name or ":" in spec.name:
+            continue
+        known = known if known is not None else available_rewards()
+        if spec.name not in known:
+            raise ConfigError(f"rewards.components[{i}].name: unknown reward {spec.name!r}; "
+                              f"available: {', '.join(known)}; or give your own class as "
+                              f"'package.module:Class'")
+
+
 def validate(config: TrainConfig, num_processes: int = 1) -> None:
     """Check ranges and combinations. Raises ConfigError naming the field and the fix."""
-    _choice(config.policy, ("flow", "llm"), "policy")
-    if not config.name or "/" in config.name:
-        raise ConfigError(f"name must be a non-empty folder name without '/' (got {config.name!r})")
+    _check_finite(config)
+    choices = _registry_choices()
+    _choice(config.policy, choices["policy"], "policy")
+    if not config.name or config.name in (".", "..") or any(c in config.name for c in "/\\\0"):
+        raise ConfigError(f"name must be a non-empty folder name without '/', '\\' and not '.' "
+                          f"or '..' (got {config.name!r}): it names the run folder "
+                          f"<run.output_dir>/<name>")
     m = config.model
     if config.policy == "flow":
-        _choice(m.family, ("sd3", "flux", "wan", "toy"), "model.family")
+        _choice(m.family, choices["model.family"], "model.family")
     _choice(m.dtype, ("float32", "bfloat16", "float16"), "model.dtype")
     if m.lora.enabled:
         _positive(m.lora.rank, "model.lora.rank")
         _positive(m.lora.alpha, "model.lora.alpha")
         _choice(m.lora.init, ("gaussian", "default"), "model.lora.init")
+        if m.lora.target_modules is not None and not m.lora.target_modules:
+            raise ConfigError("model.lora.target_modules is an empty list: give module names, or "
+                              "null for the model family's default list")
     cur = config.prompts.curriculum
     if cur.enabled:
         if config.policy != "flow":
@@ -447,10 +596,22 @@ def validate(config: TrainConfig, num_processes: int = 1) -> None:
         if cur.floor == 0 and cur.prior == 0:
             raise ConfigError("prompts.curriculum.floor and prompts.curriculum.prior are both 0, "
                               "so every prompt starts with weight 0: make floor > 0 or prior > 0")
+    p = config.prompts
+    from flowgrpo.prompts import PROMPT_SUFFIXES
+
+    for key, source in (("prompts.train", p.train), ("prompts.eval", p.eval)):
+        if source is not None and not source.startswith("toy:") and \
+                Path(source).suffix.lower() not in PROMPT_SUFFIXES:
+            raise ConfigError(f"{key}: {source} is not a prompt source; give a .txt file (one "
+                              f"prompt a line), a .jsonl file ({{\"prompt\": ..., \"metadata\": "
+                              f"...}} a line) or toy:train / toy:heldout")
+    _positive(p.num_eval, "prompts.num_eval", allow_zero=True)
+    _positive(p.eval_seeds, "prompts.eval_seeds")
+    _positive(p.eval_per_family, "prompts.eval_per_family", allow_zero=True)
     s = config.sampling
     _positive(s.num_steps, "sampling.num_steps")
     _positive(s.eval_num_steps, "sampling.eval_num_steps")
-    _choice(s.kind, ("flow_sde", "dance_sde", "cps"), "sampling.kind")
+    _choice(s.kind, choices["sampling.kind"], "sampling.kind")
     _positive(s.noise_level, "sampling.noise_level", allow_zero=True)
     if s.kind == "cps" and s.noise_level > 1:
         raise ConfigError(f"sampling.noise_level is the CPS angle fraction a and must be in [0, 1] "
@@ -464,13 +625,21 @@ def validate(config: TrainConfig, num_processes: int = 1) -> None:
     t = config.training
     _positive(t.prompts_per_iteration, "training.prompts_per_iteration")
     _positive(t.group_size, "training.group_size")
-    _choice(t.adv_scale, ("group", "batch", "none"), "training.adv_scale")
+    _choice(t.adv_scale, choices["training.adv_scale"], "training.adv_scale")
     if t.group_size == 1 and t.adv_scale in ("group", "batch"):
         raise ConfigError("training.group_size is 1, so group statistics are undefined: use "
                           "group_size >= 2 (GRPO needs several samples per prompt)")
     _positive(t.lr, "training.lr")
     _positive(t.lr_warmup_iterations, "training.lr_warmup_iterations", allow_zero=True)
-    _choice(t.lr_decay, LR_DECAYS, "training.lr_decay")
+    _choice(t.lr_decay, choices["training.lr_decay"], "training.lr_decay")
+    _positive(t.weight_decay, "training.weight_decay", allow_zero=True)
+    for i, beta in enumerate(t.adam_betas):
+        _in_range(beta, 0.0, 1.0, f"training.adam_betas[{i}]", high_open=True,
+                  meaning=" (AdamW's moment decays, e.g. [0.9, 0.999])")
+    _positive(t.adam_eps, "training.adam_eps")
+    _positive(t.max_grad_norm, "training.max_grad_norm", allow_zero=True)
+    _positive(t.adv_eps, "training.adv_eps", allow_zero=True)
+    _positive(t.adv_clip, "training.adv_clip", allow_zero=True)
     if not 0.0 <= t.lr_final_ratio <= 1.0:
         raise ConfigError(f"training.lr_final_ratio must be in [0, 1] (got {t.lr_final_ratio}); "
                           "it is the final lr as a share of training.lr")
@@ -494,13 +663,16 @@ def validate(config: TrainConfig, num_processes: int = 1) -> None:
                           "model.dtype: float32 (autocast still computes in fp16), or use LoRA")
     if t.ema.enabled and not 0 < t.ema.decay < 1:
         raise ConfigError(f"training.ema.decay must be in (0, 1) (got {t.ema.decay})")
+    if t.ema.every < 1:
+        raise ConfigError(f"training.ema.every must be >= 1 optimiser steps (got {t.ema.every}); "
+                          f"1 updates the EMA after every step")
     total = t.prompts_per_iteration * t.group_size
     if total % num_processes:
         raise ConfigError(
             f"training.prompts_per_iteration * training.group_size = {total} samples must divide "
             f"evenly over {num_processes} processes: change prompts_per_iteration or group_size")
     r = config.rewards
-    _choice(r.aggregation, ("weighted_sum", "decoupled"), "rewards.aggregation")
+    _choice(r.aggregation, choices["rewards.aggregation"], "rewards.aggregation")
     if config.policy == "flow" and not r.components:
         raise ConfigError("rewards.components is empty: add at least one reward, e.g. "
                           "[{name: geneval_toy}]")
@@ -508,17 +680,29 @@ def validate(config: TrainConfig, num_processes: int = 1) -> None:
         if not spec.name:
             raise ConfigError(f"rewards.components[{i}].name is empty: give a registered reward "
                               f"name or 'package.module:Class'")
+    _check_reward_names(config)
     if config.policy == "llm":
-        _choice(config.llm.aggregation, ("grpo", "bnpo", "dr_grpo", "dapo"), "llm.aggregation")
-        _choice(config.llm.level, ("token", "sequence"), "llm.level")
-        _positive(config.llm.max_new_tokens, "llm.max_new_tokens")
-        _positive(config.llm.temperature, "llm.temperature")
-        if not 0 < config.llm.top_p <= 1:
-            raise ConfigError(f"llm.top_p must be in (0, 1] (got {config.llm.top_p})")
+        llm = config.llm
+        _choice(llm.aggregation, choices["llm.aggregation"], "llm.aggregation")
+        _choice(llm.level, choices["llm.level"], "llm.level")
+        _positive(llm.max_new_tokens, "llm.max_new_tokens")
+        _positive(llm.temperature, "llm.temperature")
+        if not 0 < llm.top_p <= 1:
+            raise ConfigError(f"llm.top_p must be in (0, 1] (got {llm.top_p})")
+        _positive(llm.max_resample_rounds, "llm.max_resample_rounds", allow_zero=True)
+        _in_range(llm.overlong_buffer, 0, llm.max_new_tokens, "llm.overlong_buffer",
+                  meaning=" (tokens before llm.max_new_tokens; 0 = off)")
+        _positive(llm.overlong_penalty, "llm.overlong_penalty", allow_zero=True)
+        _positive(llm.eval_temperature, "llm.eval_temperature", allow_zero=True)
     run = config.run
     _positive(run.max_iterations, "run.max_iterations")
     _positive(run.eval_every, "run.eval_every", allow_zero=True)
     _positive(run.checkpoint_every, "run.checkpoint_every", allow_zero=True)
+    _positive(run.keep_checkpoints, "run.keep_checkpoints", allow_zero=True)
+    _positive(run.num_threads, "run.num_threads", allow_zero=True)
+    if not run.output_dir:
+        raise ConfigError("run.output_dir is empty: give the folder that holds run folders, "
+                          "e.g. runs")
     _choice(run.tracker, ("tensorboard", "wandb", "none"), "run.tracker")
 
 

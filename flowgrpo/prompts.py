@@ -16,32 +16,69 @@ from torch import Tensor
 from flowgrpo.seeding import seeded_generator
 
 
+PROMPT_SUFFIXES = (".txt", ".jsonl")
+_FORMATS = ("give a .txt file (one prompt a line), a .jsonl file (one {\"prompt\": \"...\", "
+            "\"metadata\": {...}} object a line) or toy:train / toy:heldout")
+
+
 def load_prompts(source: str) -> list[dict]:
-    """Records for ``source``: ``toy:<split>``, ``*.txt`` or ``*.jsonl``. Raises ValueError when the
-    source is missing or empty."""
+    """Records for ``source``: ``toy:<split>``, ``*.txt`` or ``*.jsonl``. Raises InputError (a
+    ValueError) naming the file, and for JSONL the line, when the source is missing, of another
+    kind (.json, .csv, ... would be read as lines of text and train on their syntax), malformed
+    or empty."""
+    from flowgrpo.config import InputError
+
     if source.startswith("toy:"):
         from flowgrpo.toyworld.grammar import prompt_split
 
         records = prompt_split(source.split(":", 1)[1])
     else:
         path = Path(source)
+        suffix = path.suffix.lower()
+        if suffix not in PROMPT_SUFFIXES:
+            raise InputError(f"prompt file {source}: {suffix or 'no suffix'} is not a prompt "
+                             f"format; {_FORMATS}")
         if not path.is_file():
-            raise ValueError(f"prompt file {source} does not exist (give a .txt file with one prompt "
-                             f"a line, a .jsonl file of {{\"prompt\": ..., \"metadata\": ...}}, or "
-                             f"toy:train / toy:heldout)")
-        lines = [line for line in path.read_text().splitlines() if line.strip()]
-        if path.suffix == ".jsonl":
-            records = []
-            for number, line in enumerate(lines, 1):
-                item = json.loads(line)
-                if "prompt" not in item:
-                    raise ValueError(f"{source}:{number}: each JSONL line needs a 'prompt' field")
-                records.append({"prompt": item["prompt"], "metadata": item.get("metadata", {})})
+            raise InputError(f"prompt file {source} does not exist ({_FORMATS})")
+        lines = path.read_text().splitlines()
+        if suffix == ".jsonl":
+            records = [_jsonl_record(line, f"{source}:{number}")
+                       for number, line in enumerate(lines, 1) if line.strip()]
         else:
-            records = [{"prompt": line.strip(), "metadata": {}} for line in lines]
+            records = [{"prompt": line.strip(), "metadata": {}} for line in lines if line.strip()]
     if not records:
-        raise ValueError(f"prompt source {source} holds no prompts")
+        raise InputError(f"prompt source {source} holds no prompts")
     return records
+
+
+def _jsonl_record(line: str, where: str) -> dict:
+    """One JSONL line as a record; InputError naming ``file:line`` and what is wrong."""
+    from flowgrpo.config import InputError
+
+    try:
+        item = json.loads(line)
+    except ValueError as err:
+        raise InputError(f"{where}: not valid JSON ({err}); each line must be one object like "
+                         f"{{\"prompt\": \"a red cube\", \"metadata\": {{}}}}") from None
+    if not isinstance(item, dict):
+        raise InputError(f"{where}: expected a JSON object with a \"prompt\" string, got a JSON "
+                         f"{_json_kind(item)}; write {{\"prompt\": ...}}")
+    prompt = item.get("prompt")
+    if not isinstance(prompt, str) or not prompt.strip():
+        got = "no \"prompt\" field" if "prompt" not in item else \
+            f"\"prompt\" is a JSON {_json_kind(prompt)}" if not isinstance(prompt, str) else \
+            "\"prompt\" is empty"
+        raise InputError(f"{where}: {got}; each line needs a non-empty \"prompt\" string")
+    metadata = item.get("metadata", {})
+    if not isinstance(metadata, dict):
+        raise InputError(f"{where}: \"metadata\" must be a JSON object (got a JSON "
+                         f"{_json_kind(metadata)})")
+    return {"prompt": prompt, "metadata": metadata}
+
+
+def _json_kind(value: object) -> str:
+    return {str: "string", bool: "boolean", int: "number", float: "number", list: "array",
+            dict: "object", type(None): "null"}.get(type(value), type(value).__name__)
 
 
 def sample_groups(records: list[dict], num_groups: int, seed: int, iteration: int | str,
