@@ -1,4 +1,13 @@
-"""Checkpoints: safetensors and JSON only, written to a temp folder and renamed into place.
+"""Checkpoints and run folders: safetensors and JSON only, written so that a crash at any point
+leaves either the previous state or the new one, never a half-written folder that looks whole.
+
+Layout of ``<run>/``::
+
+    run.json                          the run's id (random hex) and name, written at its start
+    metrics.jsonl                     one JSON record a line, flushed and fsynced per record
+    config.yaml                       the config (secrets redacted)
+    checkpoints/<iteration>/          one complete checkpoint (below)
+    checkpoints/.tmp-*, .old-*        a save or removal in progress; swept at the next start
 
 Layout of ``checkpoints/<iteration>/``::
 
@@ -10,19 +19,123 @@ Layout of ``checkpoints/<iteration>/``::
                                       read back only by ``--resume`` of the same run)
     ema.safetensors                   EMA shadow weights (when enabled)
     rng.safetensors                   torch CPU RNG state
-    trainer_state.json                iteration, EMA counters, config name
-Nothing is ever unpickled.
+    trainer_state.json                iteration, EMA counters, run id, the resume signature
+    COMPLETE.json                     written last: every other file with its size and sha256
+
+A save writes everything into ``.tmp-<iteration>``, fsyncs every file and folder, writes the
+marker, and renames the folder into place (an existing folder of the same iteration is renamed
+aside first and deleted only once the new one is in). ``list_checkpoints`` (and so ``--resume
+latest`` and rotation) sees only folders whose marker matches their files. Nothing is ever
+unpickled.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import secrets
 import shutil
+import time
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from flowgrpo.config import InputError
+
+MARKER = "COMPLETE.json"
+STATE = "trainer_state.json"
+RUN_FILE = "run.json"
+METRICS = "metrics.jsonl"
+LOCK = ".lock"
+TMP_PREFIX = ".tmp-"          # a save (or a removal) in progress: always safe to delete
+OLD_PREFIX = ".old-"          # the previous folder of an iteration being re-saved
+ENGINE_PREFIX = ".engine-"    # a sharded engine's state before it moves into its checkpoint
+SUPERSEDED = "superseded"     # checkpoints after a resumed one, set aside (never deleted)
+# Test hook: seconds to sleep after each file of a save, so that a test can kill the process
+# in the middle of one (tests/test_reliability.py). Unset in normal use.
+FAULT_SLEEP_ENV = "FLOWGRPO_FAULT_SAVE_SLEEP"
+
+
+# --------------------------------------------------------------------------- durable writes
+
+def _fsync(path: Path, directory: bool = False) -> None:
+    """Flush ``path`` (a file, or a folder's entries) to the disk. Folders: some platforms and
+    network filesystems cannot fsync a directory (EINVAL, or no O_DIRECTORY); the rename is then
+    as durable as that filesystem makes it, which is all one can ask of it."""
+    flags = os.O_RDONLY | (getattr(os, "O_DIRECTORY", 0) if directory else 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError:
+        if directory:
+            return
+        raise
+    try:
+        os.fsync(fd)
+    except OSError:
+        if not directory:
+            raise
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    for folder, _, files in os.walk(root):
+        for name in files:
+            _fsync(Path(folder) / name)
+        _fsync(Path(folder), directory=True)
+
+
+def write_json_atomic(path: Path, value: Any) -> None:
+    """``path`` holds the old JSON or the new one, never a prefix: write a temp file, fsync it,
+    rename it over ``path``, fsync the folder."""
+    path = Path(path)
+    tmp = path.with_name(f"{TMP_PREFIX}{path.name}")
+    with open(tmp, "w") as f:
+        f.write(json.dumps(value, indent=2))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync(path.parent, directory=True)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _file_list(root: Path) -> dict[str, Path]:
+    """Every file under ``root`` but the marker, by its '/'-separated relative path."""
+    out = {}
+    for folder, _, files in os.walk(root):
+        for name in files:
+            path = Path(folder) / name
+            relative = path.relative_to(root).as_posix()
+            if relative != MARKER:
+                out[relative] = path
+    return dict(sorted(out.items()))
+
+
+def _fault_pause() -> None:
+    seconds = os.environ.get(FAULT_SLEEP_ENV)
+    if seconds:
+        time.sleep(float(seconds))
+
+
+def _remove_dir(path: Path) -> None:
+    """Delete a folder so that a crash midway leaves no partly-deleted folder under its name:
+    rename it to a ``.tmp-`` name (atomic), then delete that."""
+    doomed = path.with_name(f"{TMP_PREFIX}del-{path.name}-{secrets.token_hex(4)}")
+    os.replace(path, doomed)
+    _fsync(path.parent, directory=True)
+    shutil.rmtree(doomed)
+
+
+# --------------------------------------------------------------------------- save / load
 
 def _optimizer_to_flat(optimizer: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
     state = optimizer.state_dict()
@@ -49,46 +162,133 @@ def _optimizer_from_flat(tensors: dict[str, torch.Tensor], meta: dict) -> dict:
 
 def save_checkpoint(directory: str | Path, *, iteration: int, trainable: dict[str, torch.Tensor],
                     optimizer: torch.optim.Optimizer | None, ema_state: dict[str, torch.Tensor] | None,
-                    ema_counters: dict[str, int] | None, save_lora=None, extra: dict | None = None
-                    ) -> Path:
-    """Write checkpoint ``directory`` atomically. ``save_lora(dir)`` writes the diffusers LoRA file."""
+                    ema_counters: dict[str, int] | None,
+                    save_lora: Callable[[str], None] | None = None, extra: dict | None = None,
+                    engine_dir: str | Path | None = None) -> Path:
+    """Write checkpoint ``directory`` atomically and durably (see the module docstring).
+    ``save_lora(dir)`` writes the user-facing weights; ``engine_dir`` (a sharded engine's
+    ``save_state`` folder) moves in as ``engine/`` before the marker is written."""
     directory = Path(directory)
-    tmp = directory.with_name(f".tmp-{directory.name}")
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = directory.with_name(f"{TMP_PREFIX}{directory.name}")
     if tmp.exists():
         shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
+    tmp.mkdir()
     if optimizer is not None:   # None: a sharded engine saves both in its own format
         save_file({k: v.detach().contiguous().cpu() for k, v in trainable.items()},
                   str(tmp / "trainable.safetensors"))
+        _fault_pause()
         opt_tensors, opt_meta = _optimizer_to_flat(optimizer)
         save_file(opt_tensors, str(tmp / "optimizer.safetensors"))
         (tmp / "optimizer.json").write_text(json.dumps(opt_meta))
+        _fault_pause()
     if ema_state is not None:
         save_file({k: v.contiguous().cpu() for k, v in ema_state.items()}, str(tmp / "ema.safetensors"))
+        _fault_pause()
     save_file({"torch_cpu": torch.get_rng_state()}, str(tmp / "rng.safetensors"))
     if save_lora is not None:
         save_lora(str(tmp))
+        _fault_pause()
+    if engine_dir is not None:
+        os.replace(engine_dir, tmp / "engine")
     state = {"iteration": iteration, "ema": ema_counters, **(extra or {})}
-    (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2))
+    (tmp / STATE).write_text(json.dumps(state, indent=2))
+    _fsync_tree(tmp)
+    _fault_pause()
+    # The marker goes last: a folder with a marker whose sizes match has every byte on disk.
+    files = {name: {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+             for name, path in _file_list(tmp).items()}
+    with open(tmp / MARKER, "w") as f:
+        f.write(json.dumps({"format": 1, "iteration": iteration, "files": files}, indent=2))
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync(tmp, directory=True)
+    _fault_pause()
     if directory.exists():
-        shutil.rmtree(directory)
-    os.replace(tmp, directory)
+        # Re-saving an iteration: the old folder stays whole (under .old-) until the new one is
+        # in place; a crash in between is repaired by sweep_stale at the next start.
+        aside = directory.with_name(f"{OLD_PREFIX}{directory.name}")
+        if aside.exists():
+            shutil.rmtree(aside)
+        os.replace(directory, aside)
+        _fault_pause()
+        os.replace(tmp, directory)
+        _fsync(directory.parent, directory=True)
+        shutil.rmtree(aside)
+    else:
+        os.replace(tmp, directory)
+        _fsync(directory.parent, directory=True)
     return directory
 
 
-def load_checkpoint(directory: str | Path, require_trainable: bool = True) -> dict:
-    """Read a checkpoint folder into plain tensors/dicts (no unpickling). ``require_trainable``
-    False: a sharded engine's checkpoint, whose weights and optimiser live in ``engine/``."""
+def checkpoint_problem(directory: str | Path, verify_hashes: bool = False) -> str | None:
+    """Why ``directory`` is not a complete checkpoint (None when it is): no or unreadable
+    marker, a listed file missing or of another size (or, with ``verify_hashes``, another
+    sha256), or an unreadable trainer_state.json."""
     directory = Path(directory)
-    required = ["trainer_state.json", "rng.safetensors"]
+    if not directory.is_dir():
+        return "no such folder"
+    try:
+        marker = json.loads((directory / MARKER).read_text())
+        files = marker["files"]
+    except FileNotFoundError:
+        return f"no {MARKER} (the save did not finish, or it predates completion markers)"
+    except (ValueError, KeyError, TypeError) as err:
+        return f"unreadable {MARKER} ({err})"
+    for name, entry in files.items():
+        path = directory / name
+        if not path.is_file():
+            return f"{name} is missing"
+        if path.stat().st_size != entry["bytes"]:
+            return f"{name} has {path.stat().st_size} bytes, {entry['bytes']} were written"
+        if verify_hashes and _sha256(path) != entry["sha256"]:
+            return f"{name} differs from what was written (sha256)"
+    try:
+        state = json.loads((directory / STATE).read_text())
+        iteration = int(state["iteration"])
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        return f"unreadable {STATE} ({err})"
+    if iteration != marker.get("iteration"):
+        return f"{STATE} says iteration {iteration}, {MARKER} {marker.get('iteration')}"
+    return None
+
+
+def read_state(directory: str | Path) -> dict:
+    """trainer_state.json of a checkpoint; InputError naming the file when it cannot be read."""
+    path = Path(directory) / STATE
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, ValueError) as err:
+        raise InputError(f"checkpoint {directory}: cannot read {STATE} ({err}); resume from "
+                         f"another checkpoint") from None
+    if not isinstance(state, dict) or "iteration" not in state:
+        raise InputError(f"checkpoint {directory}: {STATE} has no iteration; resume from "
+                         f"another checkpoint")
+    return state
+
+
+def load_checkpoint(directory: str | Path, require_trainable: bool = True,
+                    verify_hashes: bool = False) -> dict:
+    """Read a checkpoint folder into plain tensors/dicts (no unpickling). ``require_trainable``
+    False: a sharded engine's checkpoint, whose weights and optimiser live in ``engine/``. A
+    folder with a completion marker is checked against it first: sizes, and with
+    ``verify_hashes`` every sha256 (``open_run`` does that once, on the main process, for the
+    checkpoint it picks; hashing on every process would read a large checkpoint N times)."""
+    directory = Path(directory)
+    if (directory / MARKER).is_file():
+        problem = checkpoint_problem(directory, verify_hashes=verify_hashes)
+        if problem:
+            raise InputError(f"checkpoint {directory} is damaged: {problem}; resume from an "
+                             f"earlier checkpoint (--resume <its folder>)")
+    required = [STATE, "rng.safetensors"]
     if require_trainable:
         required += ["trainable.safetensors", "optimizer.safetensors", "optimizer.json"]
     missing = [name for name in required if not (directory / name).is_file()]
     if missing:
-        raise ValueError(f"checkpoint {directory} is incomplete: missing {', '.join(missing)}")
+        raise InputError(f"checkpoint {directory} is incomplete: missing {', '.join(missing)}")
     out = {
         "trainable": None, "optimizer": None,
-        "state": json.loads((directory / "trainer_state.json").read_text()),
+        "state": read_state(directory),
         "rng": load_file(str(directory / "rng.safetensors"))["torch_cpu"],
         "ema": None,
     }
@@ -102,30 +302,304 @@ def load_checkpoint(directory: str | Path, require_trainable: bool = True) -> di
     return out
 
 
-def list_checkpoints(run_dir: str | Path) -> list[Path]:
-    """Complete checkpoints of a run, oldest first."""
+def _numbered(run_dir: str | Path) -> list[Path]:
     root = Path(run_dir) / "checkpoints"
     if not root.is_dir():
         return []
-    found = [p for p in root.iterdir() if p.is_dir() and p.name.isdigit()
-             and (p / "trainer_state.json").is_file()]
-    return sorted(found, key=lambda p: int(p.name))
+    return sorted((p for p in root.iterdir() if p.is_dir() and p.name.isdigit()),
+                  key=lambda p: int(p.name))
+
+
+def _legacy_readable(directory: Path) -> bool:
+    """A checkpoint written before completion markers: usable when its trainer_state.json reads
+    and names its own iteration (an empty or torn one, the failure without fsync, does not)."""
+    try:
+        state = json.loads((directory / STATE).read_text())
+        return int(state["iteration"]) == int(directory.name)
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+
+
+def list_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Complete checkpoints of a run (``checkpoint_problem`` is None), oldest first.
+
+    A run folder none of whose checkpoints has a completion marker was written before markers
+    existed: its checkpoints with a readable trainer_state.json are listed instead, so that old
+    runs can still be resumed and inspected. Once a folder holds one marked checkpoint, unmarked
+    ones are skipped (they are then the remains of something else)."""
+    numbered = _numbered(run_dir)
+    complete = [p for p in numbered if checkpoint_problem(p) is None]
+    if complete or any((p / MARKER).exists() for p in numbered):
+        return complete
+    return [p for p in numbered if _legacy_readable(p)]
 
 
 def resolve_resume(resume: str, run_dir: str | Path) -> Path | None:
-    """``latest`` -> newest checkpoint of the run (None if there is none); else the given folder."""
-    if resume == "latest":
+    """Read-only: "latest" -> the newest complete checkpoint (InputError when there is none),
+    "auto" -> the newest or None, else the given folder (InputError when it does not exist).
+    ``open_run`` does this and the run-folder checks; this is for loading a checkpoint alone."""
+    if resume in ("latest", "auto"):
         found = list_checkpoints(run_dir)
+        if not found and resume == "latest":
+            raise InputError(f"--resume latest: {Path(run_dir) / 'checkpoints'} holds no "
+                             f"complete checkpoint; start without --resume or with --resume auto")
         return found[-1] if found else None
     path = Path(resume)
     if not path.is_dir():
-        raise ValueError(f"--resume {resume}: no such checkpoint folder (use 'latest' or a path to "
-                         f"runs/<name>/checkpoints/<iteration>)")
+        raise InputError(f"--resume {resume}: no such checkpoint folder (give 'latest', 'auto' or "
+                         f"a path to runs/<name>/checkpoints/<iteration>)")
     return path
 
 
 def prune_checkpoints(run_dir: str | Path, keep: int) -> None:
+    """Keep the newest ``keep`` complete checkpoints (0 = all). Only complete ones count and only
+    complete ones go, so the newest complete (and finite: ``Trainer.save`` refuses non-finite
+    weights) checkpoint always stays; an incomplete folder is left for the user to look at."""
     if keep <= 0:
         return
     for old in list_checkpoints(run_dir)[:-keep]:
-        shutil.rmtree(old)
+        _remove_dir(old)
+
+
+# --------------------------------------------------------------------------- run folders
+
+def sweep_stale(run_dir: str | Path) -> list[str]:
+    """Clean up after a crash: delete unfinished saves and removals (``.tmp-*``, ``.engine-*``);
+    an ``.old-<n>`` left by a crash while re-saving iteration n goes back to ``<n>`` when the new
+    ``<n>`` did not make it in, and is deleted when it did. Returns what was done, for the log."""
+    root = Path(run_dir) / "checkpoints"
+    notes: list[str] = []
+    for entry in Path(run_dir).glob(f"{TMP_PREFIX}*"):   # write_json_atomic / metrics rewrites
+        if entry.is_file():
+            entry.unlink()
+    if not root.is_dir():
+        return notes
+    for entry in sorted(root.iterdir()):
+        if not entry.is_dir() and not entry.name.startswith(TMP_PREFIX):
+            continue
+        if entry.name.startswith((TMP_PREFIX, ENGINE_PREFIX)):
+            if entry.is_dir():
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+            notes.append(f"removed {entry.name} (an unfinished save from an earlier process)")
+        elif entry.name.startswith(OLD_PREFIX):
+            target = root / entry.name[len(OLD_PREFIX):]
+            if checkpoint_problem(target) is None or checkpoint_problem(entry) is not None:
+                shutil.rmtree(entry)
+                notes.append(f"removed {entry.name} (replaced by a complete {target.name})")
+            else:
+                if target.exists():
+                    _remove_dir(target)
+                os.replace(entry, target)
+                notes.append(f"restored checkpoint {target.name} (its re-save did not finish)")
+    if notes:
+        _fsync(root, directory=True)
+    return notes
+
+
+def run_contents(run_dir: str | Path) -> list[str]:
+    """What makes ``run_dir`` hold a run: a non-empty metrics.jsonl, anything in checkpoints/."""
+    run_dir = Path(run_dir)
+    found = []
+    metrics = run_dir / METRICS
+    if metrics.is_file() and metrics.stat().st_size > 0:
+        found.append(METRICS)
+    root = run_dir / "checkpoints"
+    if root.is_dir() and any(root.iterdir()):
+        found.append("checkpoints/")
+    return found
+
+
+def read_run_id(run_dir: str | Path) -> str | None:
+    try:
+        value = json.loads((Path(run_dir) / RUN_FILE).read_text()).get("run_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, str) and value else None
+
+
+def _empty_run_folder(run_dir: Path) -> None:
+    """--overwrite: delete everything in the run folder but its lock. Refused for a folder that
+    does not look like a run's, so a wrong name cannot empty an unrelated folder."""
+    ours = {RUN_FILE, METRICS, "config.yaml", "checkpoints", LOCK}
+    entries = [e for e in run_dir.iterdir() if e.name != LOCK]
+    if entries and not any(e.name in ours for e in entries):
+        raise InputError(f"--overwrite: {run_dir} does not look like a flowgrpo run folder (no "
+                         f"{RUN_FILE}, {METRICS} or checkpoints/), so it is not emptied: choose "
+                         f"another run name or empty it yourself")
+    for entry in entries:
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+    _fsync(run_dir, directory=True)
+
+
+def _set_aside_newer(run_dir: Path, iteration: int) -> list[str]:
+    """Complete checkpoints after the one a run resumes from belong to the abandoned
+    continuation: move them to checkpoints/superseded-<time>/ so that ``--resume latest`` and
+    rotation see only this continuation's (nothing is deleted)."""
+    newer = [p for p in list_checkpoints(run_dir) if int(p.name) > iteration]
+    if not newer:
+        return []
+    aside = run_dir / "checkpoints" / f"{SUPERSEDED}-{time.strftime('%Y%m%d-%H%M%S')}"
+    aside.mkdir(exist_ok=True)
+    for path in newer:
+        os.replace(path, aside / path.name)
+    _fsync(run_dir / "checkpoints", directory=True)
+    return [f"checkpoints {', '.join(p.name for p in newer)} came after the resumed iteration "
+            f"{iteration}: moved to {aside} (delete it when you no longer need them)"]
+
+
+def open_run(run_dir: str | Path, *, resume: str | None, overwrite: bool,
+             signature: dict[str, Any], name: str) -> dict[str, Any]:
+    """Decide how a run starts in ``run_dir`` before anything loads, or raise InputError.
+
+    - A folder holding a run (``run_contents``) is refused unless ``resume`` or ``overwrite``
+      (which empties it first).
+    - ``resume``: "latest" (newest complete checkpoint; an error when there is none), "auto"
+      (the newest, or a fresh start when there is none), or a checkpoint folder (any run's: an
+      explicit path is the way to continue from another run's checkpoint).
+    - "latest"/"auto" refuse a checkpoint whose run id differs from the folder's run.json.
+    - Any resume refuses a checkpoint whose stored ``signature`` (model, LoRA layout, plan)
+      differs from ``signature``, naming the fields.
+
+    Also sweeps stale temporary folders and writes run.json. Returns {"run_id", "checkpoint"
+    (str or None), "notes" (lines for the log)}."""
+    run_dir = Path(run_dir)
+    if resume is not None and overwrite:
+        raise InputError("--resume and --overwrite contradict each other: --resume continues the "
+                         "run in the folder, --overwrite deletes it; give one")
+    explicit = resume is not None and resume not in ("latest", "auto")
+    if explicit and not Path(resume).is_dir():
+        raise InputError(f"--resume {resume}: no such checkpoint folder (give 'latest', 'auto' or "
+                         f"a path to runs/<name>/checkpoints/<iteration>)")
+    held = run_contents(run_dir)
+    if held and resume is None and not overwrite:
+        raise InputError(f"run folder {run_dir} already holds a run ({' and '.join(held)}): pass "
+                         f"--resume latest to continue it (--resume auto: continue if it has a "
+                         f"checkpoint, else start again), --overwrite to delete it and start "
+                         f"again, or give the run another name (name=...)")
+    if overwrite and run_dir.is_dir():
+        _empty_run_folder(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    notes = sweep_stale(run_dir)
+    folder_id = read_run_id(run_dir)
+    checkpoint: Path | None = None
+    if resume in ("latest", "auto"):
+        found = list_checkpoints(run_dir)
+        # The newest whose files still hash to what was written (read once, here, on the main
+        # process; the other processes then only check sizes): a damaged newest checkpoint
+        # falls back to the one before it instead of failing the resume.
+        for candidate in reversed(found):
+            damage = (checkpoint_problem(candidate, verify_hashes=True)
+                      if (candidate / MARKER).exists() else None)
+            if damage is None:
+                checkpoint = candidate
+                break
+            notes.append(f"checkpoint {candidate.name} is damaged ({damage}): resuming from an "
+                         f"earlier one")
+        if found and checkpoint is None:
+            raise InputError(f"--resume {resume}: every checkpoint in {run_dir / 'checkpoints'} "
+                             f"is damaged (see above); --overwrite starts the run again")
+        if not found and resume == "latest":
+            skipped = [f"{p.name} ({checkpoint_problem(p)})" for p in _numbered(run_dir)]
+            raise InputError(
+                f"--resume latest: {run_dir / 'checkpoints'} holds no complete checkpoint"
+                + (f" (skipped: {'; '.join(skipped)}; give such a folder's path to --resume to "
+                   f"use it anyway)" if skipped else "")
+                + ": start without --resume (--overwrite if the folder holds a run), or with "
+                  "--resume auto, which starts from scratch when there is nothing to resume")
+        legacy = []
+        for path in _numbered(run_dir):
+            if path not in found:
+                notes.append(f"skipped incomplete checkpoint {path.name}: "
+                             f"{checkpoint_problem(path)}")
+            elif not (path / MARKER).exists():
+                legacy.append(path.name)
+        if legacy:
+            notes.append(f"checkpoints {', '.join(legacy)} predate completion markers: used "
+                         f"because their trainer_state.json reads")
+    elif explicit:
+        checkpoint = Path(resume)
+        problem = checkpoint_problem(checkpoint, verify_hashes=True)
+        if problem and (checkpoint / MARKER).exists():
+            raise InputError(f"--resume {resume}: the checkpoint is damaged ({problem}); resume "
+                             f"from another one")
+        if problem:
+            read_state(checkpoint)   # unreadable state: an error; a missing marker: a note
+            notes.append(f"checkpoint {checkpoint} is not marked complete ({problem}); it is "
+                         f"used because you named it")
+    run_id = None
+    if checkpoint is not None:
+        state = read_state(checkpoint)
+        saved_id = state.get("run_id")
+        if not explicit and folder_id and saved_id and saved_id != folder_id:
+            raise InputError(f"checkpoint {checkpoint} belongs to run {saved_id}, but "
+                             f"{run_dir / RUN_FILE} says this folder holds run {folder_id}: "
+                             f"the checkpoint was copied in from another run. Pass its folder "
+                             f"explicitly (--resume {checkpoint}) to continue from it anyway")
+        saved_signature = state.get("signature")
+        if isinstance(saved_signature, dict):
+            changed = [f"{key}: checkpoint {saved_signature[key]!r}, config {value!r}"
+                       for key, value in signature.items()
+                       if key in saved_signature and saved_signature[key] != value]
+            if changed:
+                raise InputError(f"cannot resume from {checkpoint}: the config changed what its "
+                                 f"weights were trained for ({'; '.join(changed)}). Put these "
+                                 f"values back, or start a new run (another name, or "
+                                 f"--overwrite)")
+        else:
+            notes.append(f"checkpoint {checkpoint} stores no resume signature (written by an "
+                         f"older version): the model, LoRA layout and plan are not compared")
+        inside = checkpoint.resolve().parent == (run_dir / "checkpoints").resolve()
+        # Continuing this folder's run keeps its id; an explicit checkpoint of another run in a
+        # new folder starts a new run (a fork) with a new id.
+        run_id = folder_id or (saved_id if inside else None)
+        notes += _set_aside_newer(run_dir, int(state["iteration"]))
+    run_id = run_id or secrets.token_hex(8)
+    if run_id != folder_id:
+        write_json_atomic(run_dir / RUN_FILE, {"run_id": run_id, "name": name,
+                                               "created": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+    return {"run_id": run_id, "checkpoint": None if checkpoint is None else str(checkpoint),
+            "notes": notes}
+
+
+class RunLock:
+    """An exclusive lock on a run folder while a process trains in it (``flock`` on
+    ``<run>/.lock``): a second process of the same run, say a requeued job whose predecessor
+    still runs, fails at its start instead of interleaving its checkpoints with the first's. The
+    kernel drops the lock when the process dies, kill -9 included. Where the filesystem has no
+    locks the run goes on unlocked (with a note)."""
+
+    def __init__(self, run_dir: str | Path) -> None:
+        self.path = Path(run_dir) / LOCK
+        self.note: str | None = None
+        self._file = None
+
+    def acquire(self) -> None:
+        try:
+            import fcntl
+        except ImportError:     # not POSIX: no advisory locks to take
+            self.note = "no file locks on this platform: the run folder is not locked"
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        handle = open(self.path, "a+")
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.close()
+            raise InputError(f"run folder {self.path.parent} is in use by another training "
+                             f"process (it holds {self.path}); wait for it to end or stop it, "
+                             f"or give this run another name") from None
+        except OSError as err:
+            handle.close()
+            self.note = f"cannot lock {self.path} ({err}): the run folder is not locked"
+            return
+        self._file = handle
+
+    def release(self) -> None:
+        if self._file is not None:
+            self._file.close()   # closing the file drops the flock
+            self._file = None

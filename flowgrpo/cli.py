@@ -1,7 +1,11 @@
 """Command line: ``flowgrpo train | sample | eval | grid | serve-reward``.
 
 Each sub-command validates its arguments before it loads a model, and exits with a one-line error
-(status 2) on bad input instead of a traceback.
+(status 2) on bad input instead of a traceback. What counts as bad input is per command
+(``input_errors`` in its defaults): for ``train``, whose runs last days, only ``InputError``
+(``ConfigError`` is one): a ValueError from deep inside training is a bug or a failure and keeps
+its traceback. The other commands treat ValueError / FileNotFoundError as bad input, which they
+raise for their argument checks before any model loads.
 """
 from __future__ import annotations
 
@@ -10,19 +14,23 @@ import sys
 
 from flowgrpo import __version__
 
+# Bad-input exceptions of commands that do not set their own (sample, eval, grid, serve-reward).
+DEFAULT_INPUT_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError)
+
 
 def _train(args: argparse.Namespace) -> int:
-    from flowgrpo.config import help_text, load_config
+    from flowgrpo.config import InputError, help_text, load_config
 
     if args.help_config:
         print(help_text())
         return 0
     if not args.config:
-        raise ValueError("flowgrpo train needs a CONFIG file, e.g. configs/toy_geneval.yaml")
+        raise InputError("flowgrpo train needs a CONFIG file, e.g. configs/toy_geneval.yaml")
     from flowgrpo.trainer import Trainer
 
     config = load_config(args.config, args.overrides)
-    Trainer(config).train(resume=args.resume)
+    # resume/overwrite go to the constructor: the run folder is checked before the model loads.
+    Trainer(config, resume=args.resume, overwrite=args.overwrite).train()
     return 0
 
 
@@ -38,25 +46,33 @@ def build_parser() -> argparse.ArgumentParser:
                                        "training.lr=1e-4 run.max_iterations=50.")
     train.add_argument("config", nargs="?", help="YAML config (see configs/)")
     train.add_argument("overrides", nargs="*", help="section.key=value overrides")
-    train.add_argument("--resume", default=None,
-                       help="'latest' (newest checkpoint of this run) or a checkpoint folder")
+    start = train.add_mutually_exclusive_group()
+    start.add_argument("--resume", default=None, metavar="latest|auto|PATH",
+                       help="continue a run: 'latest' (its newest complete checkpoint; an error "
+                            "when there is none), 'auto' (the newest, or start from scratch when "
+                            "there is none) or a checkpoint folder (of any run)")
+    start.add_argument("--overwrite", action="store_true",
+                       help="delete what the run folder holds and start again (without this or "
+                            "--resume, a run folder that holds a run is refused)")
     train.add_argument("--help-config", action="store_true",
                        help="print every config field with its default and help text")
-    train.set_defaults(handler=_train)
+    # A function, called only on error: importing the config module here would slow --help.
+    train.set_defaults(handler=_train, input_errors=_train_input_errors)
 
-    try:
-        from flowgrpo.commands import add_commands
-    except ImportError:
-        pass
-    else:
-        add_commands(sub)
-    try:
-        from reward_models.server import add_serve_reward_parser
-    except ImportError:
-        pass
-    else:
-        add_serve_reward_parser(sub)
+    # Part of the package, not optional: a broken import is a bug and must show its traceback,
+    # not silently remove sub-commands from --help.
+    from flowgrpo.commands import add_commands
+    from reward_models.server import add_serve_reward_parser
+
+    add_commands(sub)
+    add_serve_reward_parser(sub)
     return parser
+
+
+def _train_input_errors() -> tuple[type[BaseException], ...]:
+    from flowgrpo.config import InputError
+
+    return (InputError,)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -68,7 +84,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         return int(handler(args) or 0)
-    except (ValueError, FileNotFoundError, ImportError) as err:
+    except Exception as err:
+        declared = getattr(args, "input_errors", None)
+        input_errors = declared() if callable(declared) else DEFAULT_INPUT_ERRORS
+        if not isinstance(err, input_errors):
+            raise   # not the user's input: keep the traceback
         print(f"flowgrpo {args.command}: error: {err}", file=sys.stderr)
         return 2
 

@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
+import warnings
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any, Callable
@@ -26,12 +28,14 @@ from torch import Tensor
 
 from flowgrpo import checkpoint as ckpt
 from flowgrpo.advantages import decoupled_advantages, group_advantages
-from flowgrpo.config import ConfigError, TrainConfig, dump_config, to_dict, validate
+from flowgrpo.config import (ConfigError, InputError, TrainConfig, dump_config, json_roundtrip,
+                             redact, resume_signature, to_dict, validate)
 from flowgrpo.ema import EMA
 from flowgrpo.policy import gather_rows, load_policy_class
 from flowgrpo.prompts import (PromptCurriculum, bucket_labels, comparison_prompts, load_prompts,
                               mixed_groups, sample_indices)
 from flowgrpo.seeding import seeded_generator
+from reward_models.base import mask_nonfinite
 
 
 def scheduled_lr(lr: float, iteration: int, warmup: int, decay: str, final_ratio: float,
@@ -77,7 +81,11 @@ class NonFiniteGradientError(RuntimeError):
 class Trainer:
     """Builds everything from a validated ``TrainConfig`` and runs GRPO on its policy."""
 
-    def __init__(self, config: TrainConfig, accelerator=None, model=None) -> None:
+    def __init__(self, config: TrainConfig, accelerator=None, model=None, *,
+                 resume: str | None = None, overwrite: bool | None = None) -> None:
+        """``resume`` / ``overwrite`` as in ``train``. Given here (``overwrite`` not None, as the
+        CLI does), the run folder is checked before the model loads, so a refused folder or a
+        missing checkpoint costs nothing; left out, ``train`` checks it."""
         from accelerate import Accelerator
         from accelerate.utils import DistributedDataParallelKwargs
 
@@ -108,8 +116,12 @@ class Trainer:
         if config.run.num_threads:
             torch.set_num_threads(config.run.num_threads)
         torch.manual_seed(config.run.seed)
+        self._run: dict | None = None      # how this run starts (open_run), once decided
+        self._opened_with: tuple[str | None, bool] | None = None
+        self._lock = ckpt.RunLock(self.run_dir)
 
-        # Cheap things first: a bad prompt file or reward name fails before the model loads.
+        # Cheap things first: a bad prompt file or reward name fails before the model loads
+        # (and before --overwrite empties the run folder).
         self.train_records = load_prompts(config.prompts.train)
         self.eval_records = load_prompts(config.prompts.eval) if config.prompts.eval else []
         if config.prompts.num_eval:
@@ -121,15 +133,21 @@ class Trainer:
         self.train_buckets = (bucket_labels(self.train_records, config.prompts.balance_key)
                               if config.prompts.balance_key else None)
         self._drawn: tuple[int, list[int]] | None = None
+        if overwrite is not None:
+            self.open_run(resume, overwrite)
 
-        self.policy = load_policy_class(config.policy)(config, self.accelerator,
-                                                       self.train_records, model=model)
-        self.trainable = self.policy.trainable
-        self.ema = EMA(self.trainable, t.ema.decay, t.ema.every) if t.ema.enabled else None
-        self.engine_module, self.optimizer = self.accelerator.prepare(self.policy.module,
-                                                                      self._make_optimizer())
-        self.policy.bind(self.engine_module, self.sharded)
-        self.check_replicas("setup")
+        try:
+            self.policy = load_policy_class(config.policy)(config, self.accelerator,
+                                                           self.train_records, model=model)
+            self.trainable = self.policy.trainable
+            self.ema = EMA(self.trainable, t.ema.decay, t.ema.every) if t.ema.enabled else None
+            self.engine_module, self.optimizer = self.accelerator.prepare(
+                self.policy.module, self._make_optimizer())
+            self.policy.bind(self.engine_module, self.sharded)
+            self.check_replicas("setup")
+        except BaseException:
+            self._lock.release()   # a failed start must not keep the run folder locked
+            raise
         self.start_iteration = 0
         self.skipped_in_a_row = 0
         self._seeds: dict[tuple, Tensor] = {}
@@ -192,10 +210,13 @@ class Trainer:
             from accelerate.utils import broadcast_object_list
 
             message = None if error is None else f"{type(error).__name__}: {error}"
-            shared = broadcast_object_list([message, result if error is None else None],
-                                           from_process=0)
+            shared = broadcast_object_list([message, result if error is None else None,
+                                            isinstance(error, InputError)], from_process=0)
             if shared[0] is not None and error is None:
-                raise RuntimeError(f"the main process failed in {section}: {shared[0]}")
+                # A bad input stays a bad input on every process (one line from the CLI, not a
+                # traceback per process); anything else is a failure with its own traceback.
+                kind = InputError if shared[2] else RuntimeError
+                raise kind(f"the main process failed in {section}: {shared[0]}")
             result = shared[1]
         if error is not None:
             raise error
@@ -253,7 +274,11 @@ class Trainer:
         t = self.config.training
         acc = self.accelerator
         device = acc.device
-        gathered = {k: acc.gather(v.to(device)).cpu() for k, v in rewards.items()}
+        # Policies hand over NaN for a missing reward (and the reward boundary already turns
+        # +-inf into NaN); masking here too keeps a policy that bypasses it from poisoning the
+        # whole batch's advantages with one inf.
+        gathered = {k: mask_nonfinite(acc.gather(v.to(device)).cpu())[0]
+                    for k, v in rewards.items()}
         group_ids = acc.gather(batch.group_ids.to(device)).cpu()
         clip = t.adv_clip or None
         if self.config.rewards.aggregation == "decoupled":
@@ -489,15 +514,19 @@ class Trainer:
         sharded engine the engine's own sharded state goes to ``engine/`` and the user-facing
         weights are consolidated on the main process."""
         directory = self.run_dir / "checkpoints" / str(iteration)
-        bad = [n for n, p in self.trainable.items() if not bool(torch.isfinite(p).all())]
+        tensors = dict(self.trainable)
+        if self.ema is not None:
+            tensors.update({f"ema:{n}": v for n, v in self.ema.state_dict().items()})
+        bad = [n for n, p in tensors.items() if not bool(torch.isfinite(p).all())]
         if bad:
             raise FloatingPointError(f"not saving iteration {iteration}: {len(bad)} trainable "
-                                     f"tensors hold non-finite values (first: {bad[0]}); the "
-                                     f"previous checkpoint is kept")
+                                     f"or EMA tensors hold non-finite values (first: {bad[0]}); "
+                                     f"the previous checkpoint is kept")
         consolidated = None
         if self.sharded:
             # Collective: every process writes its shard and takes part in the consolidation.
-            self.accelerator.save_state(str(self.run_dir / "checkpoints" / f".engine-{iteration}"))
+            self.accelerator.save_state(str(self.run_dir / "checkpoints" /
+                                            f"{ckpt.ENGINE_PREFIX}{iteration}"))
             consolidated = self.accelerator.get_state_dict(self.engine_module)
 
         def write() -> None:
@@ -506,7 +535,11 @@ class Trainer:
                     self.policy.save_weights(folder, consolidated)
 
             extra = {"name": self.config.name, "family": self.config.model.family,
-                     "policy": self.config.policy, "engine": self.engine}
+                     "policy": self.config.policy, "engine": self.engine,
+                     # run_id: --resume latest continues only this run's checkpoints;
+                     # signature: what a resume must not change (config.resume_signature).
+                     "run_id": self._run["run_id"] if self._run else None,
+                     "signature": json_roundtrip(resume_signature(self.config))}
             if self.curriculum is not None:
                 extra["curriculum"] = self.curriculum.state_dict()
             if self.accelerator.scaler is not None:
@@ -517,22 +550,54 @@ class Trainer:
                 optimizer=None if self.sharded else self.optimizer,
                 ema_state=self.ema.state_dict() if self.ema else None,
                 ema_counters=self.ema.counters() if self.ema else None, save_lora=save_weights,
-                extra=extra)
-            if self.sharded:
-                engine_dir = self.run_dir / "checkpoints" / f".engine-{iteration}"
-                engine_dir.rename(directory / "engine")
+                extra=extra,
+                # inside the folder before its completion marker, so the marker covers it
+                engine_dir=(self.run_dir / "checkpoints" / f"{ckpt.ENGINE_PREFIX}{iteration}"
+                            if self.sharded else None))
             ckpt.prune_checkpoints(self.run_dir, self.config.run.keep_checkpoints)
 
         self.main_only(f"checkpoint {iteration}", write)
         return directory
 
-    def resume(self, resume: str) -> None:
-        # Resolved once, on the main process: every process continues from the same checkpoint
-        # even where the run folder is not on a shared filesystem.
-        found = self.main_only("resume", lambda: ckpt.resolve_resume(resume, self.run_dir))
-        if found is None:
+    def open_run(self, resume: str | None, overwrite: bool) -> None:
+        """Decide how the run starts (``checkpoint.open_run``: refuse a used folder without
+        --resume / --overwrite, find the checkpoint, check its run id and signature, sweep what
+        a crash left, write run.json) on the main process under the run folder's lock, and hand
+        the decision to every process, so that all continue from the same checkpoint even where
+        the run folder is not on a shared filesystem."""
+        if self._run is not None:
+            if (resume, bool(overwrite)) != self._opened_with:
+                raise InputError(f"the run folder was opened with resume={self._opened_with[0]!r}"
+                                 f", overwrite={self._opened_with[1]}; give resume/overwrite to "
+                                 f"Trainer(...) or to train(), not different values to both")
             return
-        path = Path(found)
+        signature = json_roundtrip(resume_signature(self.config))
+
+        def work() -> dict:
+            self._lock.acquire()
+            try:
+                return ckpt.open_run(self.run_dir, resume=resume, overwrite=bool(overwrite),
+                                     signature=signature, name=self.config.name)
+            except BaseException:
+                self._lock.release()
+                raise
+
+        self._run = self.main_only("checking the run folder", work)
+        self._opened_with = (resume, bool(overwrite))
+        if self.accelerator.is_main_process:
+            for note in ([self._lock.note] if self._lock.note else []) + self._run["notes"]:
+                print(f"{self.run_dir}: {note}", flush=True)
+
+    def resume(self, checkpoint: str | Path) -> None:
+        """Load ``checkpoint`` into every process: a folder (``train`` passes the one
+        ``open_run`` chose and checked), or "latest" / "auto" resolved on the main process."""
+        if str(checkpoint) in ("latest", "auto"):
+            found = self.main_only("resume", lambda: ckpt.resolve_resume(str(checkpoint),
+                                                                         self.run_dir))
+            if found is None:
+                return
+            checkpoint = found
+        path = Path(checkpoint)
         state = ckpt.load_checkpoint(path, require_trainable=not self.sharded)
         saved_engine = state["state"].get("engine", "single")
         if self.sharded or saved_engine in ("fsdp", "deepspeed"):
@@ -568,8 +633,12 @@ class Trainer:
     def log(self, record: dict) -> None:
         self.history.append(record)
         if self.accelerator.is_main_process:
-            with open(self.run_dir / "metrics.jsonl", "a") as f:
+            with open(self.run_dir / ckpt.METRICS, "a") as f:
                 f.write(json.dumps(record) + "\n")
+                # On disk before the run goes on: a crash loses at most the line being written
+                # (a torn last line, which the next start drops).
+                f.flush()
+                os.fsync(f.fileno())
             if self.tracker != "none":
                 scalars = {k: v for k, v in record.items()
                            if isinstance(v, (int, float)) and k != "iteration"}
@@ -580,15 +649,27 @@ class Trainer:
         metrics = self.everywhere(f"evaluation at {iteration}", lambda: self.evaluate(iteration))
         self.log({"iteration": iteration, "phase": "eval", **(metrics or {})})
 
-    def train(self, resume: str | None = None) -> list[dict]:
+    def train(self, resume: str | None = None, overwrite: bool | None = None) -> list[dict]:
+        """Run to ``run.max_iterations``. ``resume``: None (a new run), "latest" (the newest
+        complete checkpoint of this run; an error when there is none), "auto" (the newest, or a
+        new run when there is none) or a checkpoint folder (of any run). A run folder that
+        already holds a run is refused unless ``resume`` is given or ``overwrite`` is True
+        (which deletes it first). The folder stays locked against other processes until the
+        run ends."""
+        try:
+            if self._run is None or resume is not None or overwrite is not None:
+                self.open_run(resume, bool(overwrite))   # else as given to Trainer(...)
+            return self._train()
+        finally:
+            self._lock.release()
+
+    def _train(self) -> list[dict]:
         from tqdm.auto import tqdm
 
         cfg = self.config
-        if self.accelerator.is_main_process:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
         self.accelerator.wait_for_everyone()
-        if resume:
-            self.resume(resume)
+        if self._run["checkpoint"] is not None:
+            self.resume(self._run["checkpoint"])
 
         def start() -> None:
             dump_config(cfg, self.run_dir / "config.yaml")
@@ -596,7 +677,8 @@ class Trainer:
 
         self.main_only("writing the run folder", start)
         if self.tracker != "none":
-            flat = {k: str(v) for k, v in _flatten(to_dict(cfg)).items()}
+            # The trackers' hyper-parameters are as public as the config file: secrets redacted.
+            flat = {k: str(v) for k, v in _flatten(redact(to_dict(cfg))).items()}
             self.accelerator.init_trackers(cfg.name, config=flat)
         if self.start_iteration == 0:
             self.eval_and_log(0)
@@ -616,8 +698,8 @@ class Trainer:
             bar.set_postfix(reward=f"{metrics.get('reward/total/mean', float('nan')):.3f}",
                             sec=f"{metrics['time/iteration']:.1f}")
             if metrics["reward/nan_count"]:
-                bar.write(f"iteration {done}: {metrics['reward/nan_count']} samples had no reward "
-                          f"(NaN); they were masked out of the advantages")
+                bar.write(f"iteration {done}: {metrics['reward/nan_count']} samples had no finite "
+                          f"reward (NaN or +-inf); they were masked out of the advantages")
             last = done == cfg.run.max_iterations
             if (cfg.run.eval_every and done % cfg.run.eval_every == 0) or last:
                 self.eval_and_log(done)
@@ -633,13 +715,35 @@ class Trainer:
         return self.history
 
     def _truncate_metrics(self, start: int) -> None:
-        path = self.run_dir / "metrics.jsonl"
+        """Keep the records up to iteration ``start`` (none for a new run): a resumed run
+        rewrites what came after its checkpoint, so the log has no duplicates. A line that is
+        not a JSON record (the torn last line of a killed run) is dropped with a warning. The
+        rewrite is atomic: a crash during it leaves the old log."""
+        path = self.run_dir / ckpt.METRICS
         if not path.exists():
             return
-        # A resumed run rewrites what came after its checkpoint, so the log has no duplicates.
-        keep = [line for line in path.read_text().splitlines()
-                if line.strip() and json.loads(line)["iteration"] <= start]
-        path.write_text("".join(line + "\n" for line in keep) if start else "")
+        keep, torn = [], []
+        for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                iteration = int(record["iteration"])
+            except (ValueError, KeyError, TypeError):
+                torn.append(number)
+                continue
+            if iteration <= start:
+                keep.append(line)
+        if torn:
+            warnings.warn(f"{path}: dropped {len(torn)} unreadable line(s) (line "
+                          f"{', '.join(map(str, torn))}; a run killed while writing leaves its "
+                          f"last line torn)", RuntimeWarning, stacklevel=2)
+        tmp = path.with_name(f"{ckpt.TMP_PREFIX}{path.name}")
+        with open(tmp, "w") as f:
+            f.write("".join(line + "\n" for line in keep) if start else "")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
 
     def print_summary(self, seconds: float) -> None:
         evals = [h for h in self.history if h["phase"] == "eval"]
