@@ -100,6 +100,14 @@ class Trainer:
         t = config.training
         if accelerator is None:
             preflight_engine()
+            launched = os.environ.get("ACCELERATE_MIXED_PRECISION")
+            if launched and launched != t.mixed_precision and \
+                    os.environ.get("RANK", "0") == "0":
+                warnings.warn(f"accelerate was launched with mixed precision {launched!r}, the "
+                              f"config says training.mixed_precision={t.mixed_precision!r}: the "
+                              f"config's value is used. Set them equal (e.g. "
+                              f"training.mixed_precision={launched}) to silence this",
+                              stacklevel=2)
         self.accelerator = accelerator or Accelerator(
             mixed_precision=t.mixed_precision,
             log_with=None if tracker == "none" else tracker,

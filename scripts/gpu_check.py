@@ -186,7 +186,7 @@ def worker(spec_path: str) -> int:
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     config = load_config(spec["config"], spec["overrides"])
-    Trainer(config).train()
+    Trainer(config).train(overwrite=True)   # a rerun of the check replaces its old runs
     result = {"peak_memory_bytes": torch.cuda.max_memory_allocated() if cuda else None,
               "peak_reserved_bytes": torch.cuda.max_memory_reserved() if cuda else None}
     metrics = Path(config.run.output_dir) / config.name / "metrics.jsonl"

@@ -11,6 +11,8 @@
 #                      replaced by the values of this allocation
 #   GPUS_PER_NODE      processes per node (default 8; keep it equal to --gpus-per-node)
 #   MASTER_PORT        rendezvous port on the first node (default derived from the job id)
+#   RESUME             --resume value (default auto: a requeued or resubmitted job continues from
+#                      the run's newest checkpoint, a first job starts the run)
 # Submit from the repository root with the training environment active: sbatch passes the
 # submitting shell's environment (PATH included) to the job.
 #
@@ -51,7 +53,8 @@ MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 # otherwise both bind the same fixed port.
 MASTER_PORT=${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}
 NUM_NODES=${SLURM_NNODES:-${SLURM_JOB_NUM_NODES:?SLURM_NNODES is unset}}
-export ACCELERATE_CONFIG GPUS_PER_NODE MASTER_ADDR MASTER_PORT NUM_NODES
+RESUME=${RESUME:-auto}
+export ACCELERATE_CONFIG GPUS_PER_NODE MASTER_ADDR MASTER_PORT NUM_NODES RESUME
 echo "slurm_train.sh: $NUM_NODES nodes x $GPUS_PER_NODE GPUs, rank 0 on $MASTER_ADDR:$MASTER_PORT," \
      "accelerate config $ACCELERATE_CONFIG, run config $CONFIG $*"
 
@@ -66,4 +69,4 @@ srun --ntasks-per-node=1 --kill-on-bad-exit=1 bash -c '
     --machine_rank "$SLURM_NODEID" \
     --main_process_ip "$MASTER_ADDR" \
     --main_process_port "$MASTER_PORT" \
-    -m flowgrpo train "$@"' slurm_train "$CONFIG" "$@"
+    -m flowgrpo train --resume "$RESUME" "$@"' slurm_train "$CONFIG" "$@"

@@ -323,7 +323,8 @@ def test_slurm_script_launches_one_accelerate_per_node(tmp_path):
         assert argv == ["launch", "--config_file", "configs/accelerate/ddp_multinode.yaml",
                         "--num_machines", "2", "--num_processes", "16", "--machine_rank", str(node),
                         "--main_process_ip", "gpu-node-07", "--main_process_port", port,
-                        "-m", "flowgrpo", "train", "configs/sd3_pickscore.yaml", *overrides]
+                        "-m", "flowgrpo", "train", "--resume", "auto", "configs/sd3_pickscore.yaml",
+                        *overrides]
         # ... and accelerate resolves that line to this node's place in the job.
         args, _ = launch("ddp_multinode.yaml", *argv[3:13])
         assert (args.num_machines, args.num_processes, args.machine_rank) == (2, 16, node)

@@ -248,3 +248,16 @@ def test_the_lm_policy_does_not_import_the_flow_stack():
                          timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip() == "[]"
+
+
+def test_a_launch_precision_other_than_the_configs_is_reported(tiny_sd3_path, tmp_path,
+                                                               monkeypatch, fresh_accelerator):
+    """``accelerate launch --mixed_precision bf16`` (or a config file saying so) with a run config
+    at fp32: the config's value is used, and the run says so instead of silently ignoring one."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(True)
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "bf16")
+    with pytest.warns(UserWarning, match="launched with mixed precision 'bf16'.*'no'"):
+        trainer = Trainer(tiny_config(tiny_sd3_path, tmp_path))
+    assert trainer.accelerator.mixed_precision == "no"

@@ -170,12 +170,12 @@ def test_resume_equals_uninterrupted_run(tiny_sd3_path, tmp_path):
 
 
 def test_bad_config_fails_before_model_loads(tiny_sd3_path, tmp_path, monkeypatch):
-    import pipelines
+    import flowgrpo.flow_policy
 
     def boom(*args, **kwargs):
         raise AssertionError("model loaded before the config was checked")
 
-    monkeypatch.setattr(pipelines, "load_model", boom)
+    monkeypatch.setattr(flowgrpo.flow_policy, "load_model", boom)
     with pytest.raises(ConfigError, match="training.group_size"):
         tiny_config(tiny_sd3_path, tmp_path, "training.group_size=1")
     with pytest.raises(ValueError, match="no_such_reward"):
