@@ -228,7 +228,8 @@ class PromptEmbeddingCache:
 
     ``lookup(prompts, encode)`` returns batched tensors (B, ...) in the order of ``prompts`` and
     calls ``encode`` once, on the distinct prompts not cached yet (``encode`` returns a dict of
-    batched tensors, one row per prompt it was given).
+    batched tensors, one row per prompt it was given). Rows encoded in different calls may differ
+    in length (dim 1); they come back zero-padded to the longest (``cat_rows``).
     """
 
     def __init__(self, max_prompts: int) -> None:
@@ -264,7 +265,19 @@ class PromptEmbeddingCache:
         evictable = [p for p in self._entries if p not in self.pinned]
         for prompt in evictable[:max(0, len(evictable) - self.max_prompts)]:
             del self._entries[prompt]
-        return {k: torch.cat([row[k] for row in rows]) for k in rows[0]}
+        return {k: cat_rows([row[k] for row in rows]) for k in rows[0]}
+
+
+def cat_rows(rows: list[Tensor]) -> Tensor:
+    """Concatenate rows (1, L_i, ...) along the batch. Rows of different lengths L_i (dim 1) are
+    right-padded with zeros to the longest: variable-length text whose padding is marked by a
+    zero mask (Qwen-Image's prompt_embeds / prompt_embeds_mask), cached at its own length so that
+    the cache does not hold every prompt at the longest possible length."""
+    if rows[0].dim() < 2 or all(r.shape[1] == rows[0].shape[1] for r in rows):
+        return torch.cat(rows)
+    length = max(r.shape[1] for r in rows)
+    return torch.cat([torch.nn.functional.pad(r, (0, 0) * (r.dim() - 2) + (0, length - r.shape[1]))
+                      for r in rows])
 
 
 class DiffusersFlowModel:
