@@ -15,7 +15,14 @@ structure that the adapters depend on:
   to the T5 width = ``joint_attention_dim``; pooled widths sum to ``pooled_projection_dim``);
 - SD3 keeps a dual-attention block and RMS q/k norm (as SD3.5-Medium), FLUX keeps double and
   single blocks and the guidance embedding (as FLUX.1-dev), Wan keeps the 4x temporal / 8x spatial
-  causal VAE and the UniPC flow scheduler config of Wan2.1-T2V-1.3B.
+  causal VAE and the UniPC flow scheduler config of Wan2.1-T2V-1.3B;
+- Wan2.2 ("wan22") is Wan2.1's layout with two experts (transformer = high noise, transformer_2 =
+  low noise) switched at boundary_ratio 0.875, as Wan2.2-T2V-A14B;
+- Qwen-Image keeps a real Qwen2.5-VL text encoder (language model and a vision tower, multimodal
+  RoPE) whose width is the transformer's joint_attention_dim, a byte-level BPE tokenizer in which
+  the pipeline's prompt template splits into the same 34 leading tokens as Qwen's own tokenizer
+  (so the pipeline drops exactly the template), the 8x causal VAE with per-channel latent
+  statistics, and Qwen-Image's dynamic-shift scheduler config (shift_terminal 0.02).
 """
 from __future__ import annotations
 
@@ -24,7 +31,7 @@ import string
 
 import torch
 
-TINY_FAMILIES = ("sd3", "flux", "wan")
+TINY_FAMILIES = ("sd3", "flux", "wan", "wan22", "qwen_image")
 
 # Sizes the tests use with the tiny folders (divisible by 16 = VAE factor 8 x patch size 2).
 TINY_HEIGHT = 32
@@ -206,14 +213,10 @@ def build_tiny_flux():
     )
 
 
-def build_tiny_wan():
-    """WanPipeline with tiny random components (Wan2.1-T2V layout, UniPC flow scheduler config)."""
-    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanPipeline, WanTransformer3DModel
-    from transformers import UMT5Config, UMT5EncoderModel
+def _tiny_wan_transformer(umt5_width: int, rope_max_seq_len: int = 32):
+    from diffusers import WanTransformer3DModel
 
-    umt5_width = 32
-    tokenizer = tiny_t5_tokenizer()
-    transformer = WanTransformer3DModel(
+    return WanTransformer3DModel(
         patch_size=(1, 2, 2),
         num_attention_heads=2,
         attention_head_dim=12,
@@ -225,8 +228,17 @@ def build_tiny_wan():
         num_layers=2,
         cross_attn_norm=True,
         qk_norm="rms_norm_across_heads",
-        rope_max_seq_len=32,
+        rope_max_seq_len=rope_max_seq_len,
     )
+
+
+def _tiny_wan_components(umt5_width: int) -> dict:
+    """Tokenizer, UMT5 text encoder, Wan VAE and UniPC flow scheduler shared by Wan2.1 and 2.2
+    (weights drawn VAE first, then the text encoder)."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler
+    from transformers import UMT5Config, UMT5EncoderModel
+
+    tokenizer = tiny_t5_tokenizer()
     vae = AutoencoderKLWan(
         base_dim=4,
         z_dim=16,
@@ -240,16 +252,129 @@ def build_tiny_wan():
         flow_shift=3.0,
         num_train_timesteps=1000,
     )
-    return WanPipeline(
-        tokenizer=tokenizer,
-        text_encoder=UMT5EncoderModel(_t5_config(UMT5Config, tokenizer, umt5_width)),
-        vae=vae,
-        scheduler=scheduler,
-        transformer=transformer,
+    return {"tokenizer": tokenizer,
+            "text_encoder": UMT5EncoderModel(_t5_config(UMT5Config, tokenizer, umt5_width)),
+            "vae": vae, "scheduler": scheduler}
+
+
+def build_tiny_wan():
+    """WanPipeline with tiny random components (Wan2.1-T2V layout, UniPC flow scheduler config)."""
+    from diffusers import WanPipeline
+
+    umt5_width = 32
+    transformer = _tiny_wan_transformer(umt5_width)   # drawn first: the weights the tests know
+    return WanPipeline(**_tiny_wan_components(umt5_width), transformer=transformer)
+
+
+# Wan2.2-T2V-A14B's switch: the high-noise expert runs while t >= 0.875 * 1000 (model_index.json
+# boundary_ratio of Wan-AI/Wan2.2-T2V-A14B-Diffusers; Wan2.2's own config: boundary 0.875).
+WAN22_BOUNDARY_RATIO = 0.875
+
+
+def build_tiny_wan22():
+    """WanPipeline with tiny random components in the Wan2.2-T2V-A14B layout: two experts of the
+    same architecture (transformer = high noise, transformer_2 = low noise, different weights)
+    switched at boundary_ratio 0.875, Wan2.1's VAE and text encoder, UniPC flow scheduler with
+    flow_shift 3.0 (the diffusers checkpoint's scheduler config)."""
+    from diffusers import WanPipeline
+
+    umt5_width = 32
+    # rope_max_seq_len 1024 as the real experts: the tiny build can sample at WanPipeline's default
+    # 480 x 832 (52 patches a row), which the Wan2.1 tiny build's 32 cannot.
+    high_noise, low_noise = (_tiny_wan_transformer(umt5_width, rope_max_seq_len=1024),
+                             _tiny_wan_transformer(umt5_width, rope_max_seq_len=1024))
+    return WanPipeline(**_tiny_wan_components(umt5_width), transformer=high_noise,
+                       transformer_2=low_noise, boundary_ratio=WAN22_BOUNDARY_RATIO)
+
+
+# Qwen-Image's prompt template splits into these words with Qwen's tokenizer; giving the tiny BPE
+# one token per word reproduces its 34-token template prefix (QwenImagePipeline drops it by count).
+_QWEN_TEMPLATE_WORDS = ("system", "user", "Describe") + tuple(
+    "\u0120" + word for word in ("the image by detailing color shape size texture quantity text "
+                                 "spatial relationships of objects and background").split())
+_QWEN_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|vision_start|>",
+                        "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+QWEN_TEMPLATE_PREFIX_TOKENS = 34   # QwenImagePipeline.prompt_template_encode_start_idx
+
+
+def tiny_qwen2_tokenizer(model_max_length: int = 2048):
+    """A Qwen2 byte-level BPE tokenizer: every byte is a token, plus one merged token per word of
+    Qwen-Image's prompt template (merges build each word left to right), and Qwen's chat and
+    vision special tokens. Pre-tokenisation (Qwen2's regex, byte level) is the real one."""
+    from transformers import Qwen2Tokenizer
+
+    vocab: dict[str, int] = {}
+    for character in _byte_to_unicode().values():
+        vocab[character] = len(vocab)
+    merges: list[tuple[str, str]] = []
+    for word in _QWEN_TEMPLATE_WORDS:
+        for end in range(2, len(word) + 1):
+            if word[:end] not in vocab:
+                vocab[word[:end]] = len(vocab)
+                merges.append((word[:end - 1], word[end - 1]))
+    for token in _QWEN_SPECIAL_TOKENS:
+        vocab[token] = len(vocab)
+    return Qwen2Tokenizer(vocab=vocab, merges=merges,
+                          additional_special_tokens=list(_QWEN_SPECIAL_TOKENS[1:]),
+                          model_max_length=model_max_length)
+
+
+def _tiny_qwen2_5_vl(tokenizer, hidden_size: int):
+    """Qwen2_5_VLForConditionalGeneration: 2 decoder layers of width ``hidden_size`` (head 16, the
+    multimodal RoPE split 2/3/3 of its 8 frequencies as 16/24/24 of 64 in Qwen2.5-VL-7B) and a
+    one-block vision tower; special-token ids point into the tiny vocabulary."""
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in _QWEN_SPECIAL_TOKENS}
+    config = Qwen2_5_VLConfig(
+        text_config={
+            "vocab_size": len(tokenizer), "hidden_size": hidden_size, "intermediate_size": 2 * hidden_size,
+            "num_hidden_layers": 2, "num_attention_heads": hidden_size // 16, "num_key_value_heads": 1,
+            "head_dim": 16, "max_position_embeddings": tokenizer.model_max_length,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0, "mrope_section": [2, 3, 3]},
+            "bos_token_id": ids["<|endoftext|>"], "eos_token_id": ids["<|im_end|>"],
+            "pad_token_id": ids["<|endoftext|>"],
+        },
+        vision_config={"depth": 1, "hidden_size": 16, "intermediate_size": 32, "num_heads": 2,
+                       "out_hidden_size": hidden_size, "fullatt_block_indexes": [0], "window_size": 28},
+        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"],
     )
+    return Qwen2_5_VLForConditionalGeneration(config).eval()
 
 
-_BUILDERS = {"sd3": build_tiny_sd3, "flux": build_tiny_flux, "wan": build_tiny_wan}
+def build_tiny_qwen_image():
+    """QwenImagePipeline with tiny random components (Qwen-Image layout: 16 latent channels packed
+    2x2 into 64, Qwen2.5-VL text of the joint attention width, 8x VAE, Qwen-Image's scheduler config)."""
+    from diffusers import (AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler, QwenImagePipeline,
+                           QwenImageTransformer2DModel)
+
+    text_width = 32
+    tokenizer = tiny_qwen2_tokenizer()
+    transformer = QwenImageTransformer2DModel(
+        patch_size=2,
+        in_channels=64,   # 16 latent channels packed 2x2
+        out_channels=16,
+        num_layers=2,
+        attention_head_dim=16,
+        num_attention_heads=2,
+        joint_attention_dim=text_width,
+        axes_dims_rope=(4, 6, 6),   # sums to attention_head_dim, as (16, 56, 56) sums to 128
+    )
+    vae = AutoencoderKLQwenImage(base_dim=4, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                                 temperal_downsample=[False, True, True])
+    # Qwen/Qwen-Image's scheduler/scheduler_config.json (values as published in third-party
+    # copies of it; the adapter reads whatever the checkpoint ships).
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
+        base_image_seq_len=256, max_image_seq_len=8192, shift_terminal=0.02, time_shift_type="exponential")
+    return QwenImagePipeline(scheduler=scheduler, vae=vae,
+                             text_encoder=_tiny_qwen2_5_vl(tokenizer, text_width),
+                             tokenizer=tokenizer, transformer=transformer)
+
+
+_BUILDERS = {"sd3": build_tiny_sd3, "flux": build_tiny_flux, "wan": build_tiny_wan,
+             "wan22": build_tiny_wan22, "qwen_image": build_tiny_qwen_image}
 
 
 def build_tiny(family: str, seed: int = 0, transformer_size: tuple[int, int] | None = None):
