@@ -18,6 +18,7 @@ MODEL_FAMILIES: dict[str, str] = {
     "sd3": "pipelines.sd3:SD3Model",
     "flux": "pipelines.flux:FluxModel",
     "wan": "pipelines.wan:WanModel",
+    "qwen_image": "pipelines.qwen_image:QwenImageModel",
     "toy": "pipelines.toy:ToyFlowModel",
 }
 
@@ -26,6 +27,7 @@ MODEL_OPTIONS: dict[str, str] = {
     "sd3": "pipelines.sd3:SD3Options",
     "flux": "pipelines.flux:FluxOptions",
     "wan": "pipelines.wan:WanOptions",
+    "qwen_image": "pipelines.qwen_image:QwenImageOptions",
     "toy": "pipelines.toy:ToyOptions",
 }
 
