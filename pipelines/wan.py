@@ -1,4 +1,5 @@
-"""Wan2.1 text-to-video (e.g. ``Wan-AI/Wan2.1-T2V-1.3B-Diffusers``) as a FlowModel.
+"""Wan2.1 and Wan2.2 text-to-video (``Wan-AI/Wan2.1-T2V-1.3B-Diffusers``,
+``Wan-AI/Wan2.2-T2V-A14B-Diffusers``) as a FlowModel.
 
 Family quirks, all checked against ``WanPipeline``:
 
@@ -12,20 +13,34 @@ Family quirks, all checked against ``WanPipeline``:
   FlowMatchEulerDiscreteScheduler schedule with the same shift (what ``WanPipeline`` computes
   when given ``FlowMatchEulerDiscreteScheduler(shift=flow_shift)``);
 - decode: latents * latents_std + latents_mean (per channel), then the VAE; videos come back as
-  (B, F, 3, H, W) in [0, 1].
+  (B, F, 3, H, W) in [0, 1];
+- Wan2.2 (model_index.json with ``boundary_ratio`` and a ``transformer_2``): two experts of one
+  architecture, ``transformer`` for high noise and ``transformer_2`` for low noise; a step whose
+  timestep t = 1000 sigma is >= boundary_ratio * num_train_timesteps runs the first, any other the
+  second, with ``guidance_scale_2`` (default: the same scale) as the low-noise expert's CFG scale.
+  Both live in one ``WanExperts`` module, the adapter's ``transformer``: what LoRA wraps, the
+  optimiser trains and DDP / checkpoints see; its forward picks the expert per row.
+  ``train_experts`` chooses which experts carry LoRA / train. LoRA is written as one file per
+  trained expert, each loadable by the stock pipeline (``load_wan22_lora``). Wan2.2's TI2V-5B
+  (``expand_timesteps``) and image-to-video pipelines are not supported.
 """
 from __future__ import annotations
 
+import copy
+import inspect
+import os
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from flowgrpo.model import Conditioning, guided_velocity
+from flowgrpo.model import Conditioning
 from pipelines.base import (AdapterOptions, DiffusersFlowModel, check_divisible,
-                            check_pipeline_folder, parse_options, read_model_index,
-                            require_attention_backend, resolve_dtype,
-                            text_model_dtype)
+                            check_pipeline_folder, is_local_path, lora_adapter_metadata,
+                            parse_options, read_model_index, require_attention_backend,
+                            resolve_dtype, strip_peft_wrapper_prefix, text_model_dtype)
 
 # PEFT targets: self-attention (attn1) and text cross-attention (attn2) projections and the
 # feed-forward of every block.
@@ -33,17 +48,28 @@ WAN_LORA_TARGET_MODULES = ["attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_o
                            "attn2.to_q", "attn2.to_k", "attn2.to_v", "attn2.to_out.0",
                            "ffn.net.0.proj", "ffn.net.2"]
 
+# Wan2.2's LoRA files: the high-noise expert's under diffusers' default name (``load_lora_weights
+# (folder)`` puts it into ``transformer``), the low-noise expert's under its own name (loaded with
+# ``load_into_transformer_2=True``). Each holds 'transformer.<module>.lora_A/B.weight' keys, as the
+# stock loader expects for either expert.
+LORA_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"
+LOW_NOISE_LORA_WEIGHTS_NAME = "pytorch_lora_weights_transformer_2.safetensors"
+TRAIN_EXPERTS = ("both", "high", "low")
+
 
 @dataclass
 class WanOptions(AdapterOptions):
-    """Wan2.1 T2V options (``load_model("wan", path, options={...})``)."""
+    """Wan2.1 / Wan2.2 T2V options (``load_model("wan", path, options={...})``)."""
 
-    height: int = field(default=480, metadata={"help": (
-        "Video height in pixels; divisible by VAE factor 8 x patch 2 = 16. Wan2.1-1.3B is a 480p model.")})
-    width: int = field(default=832, metadata={"help": "Video width in pixels; divisible by 16."})
-    num_frames: int = field(default=81, metadata={"help": (
+    height: int | None = field(default=None, metadata={"help": (
+        "Video height in pixels; divisible by VAE factor 8 x patch 2 = 16. None = the size the stock "
+        "WanPipeline samples at when not given one (480; the checkpoint folder records none). "
+        "Wan2.1-1.3B is a 480p model, Wan2.2-A14B samples 480p or 720p.")})
+    width: int | None = field(default=None, metadata={"help": (
+        "Video width in pixels; divisible by 16. None = WanPipeline's default (832).")})
+    num_frames: int | None = field(default=None, metadata={"help": (
         "Frames per video; must be 4k + 1 (the VAE encodes the first frame alone, then groups of "
-        "4). Flow-GRPO trains Wan2.1-1.3B on 33-frame clips.")})
+        "4). None = WanPipeline's default (81). Flow-GRPO trains Wan2.1-1.3B on 33-frame clips.")})
     cfg: bool = field(default=True, metadata={"help": (
         "Encode the negative prompt so that velocity() can run classifier-free guidance "
         "(guidance_scale > 1; WanPipeline's default is 5.0).")})
@@ -52,7 +78,17 @@ class WanOptions(AdapterOptions):
         "UMT5 tokens per prompt (WanPipeline's default: 512).")})
     flow_shift: float | None = field(default=None, metadata={"help": (
         "Timestep shift of the sigma schedule; None = the checkpoint's scheduler config "
-        "(flow_shift, or shift). Wan recommends 3.0 for 480p and 5.0 for 720p.")})
+        "(flow_shift, or shift). Wan recommends 3.0 for 480p and 5.0 for 720p (Wan2.1); Wan2.2's "
+        "own sampler uses 12.0 for T2V-A14B.")})
+    guidance_scale_2: float | None = field(default=None, metadata={"help": (
+        "Wan2.2 only: the CFG scale of the low-noise expert's steps (WanPipeline's "
+        "guidance_scale_2); None = the guidance_scale velocity() is given, for every step. "
+        "Wan2.2-T2V-A14B's release samples with 4.0 (high noise) and 3.0 (low noise). CFG itself "
+        "runs only when guidance_scale > 1, as in the pipeline.")})
+    train_experts: str | None = field(default=None, metadata={"help": (
+        "Wan2.2 only: which experts LoRA wraps / full fine-tuning trains: 'both', 'high' "
+        "(transformer, steps with t >= boundary) or 'low' (transformer_2). With one expert, the "
+        "plan must train only that expert's steps. None = 'both' (Wan2.1: its one transformer).")})
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -60,6 +96,27 @@ class WanOptions(AdapterOptions):
             raise ValueError(f"options.max_sequence_length must be >= 1 (got {self.max_sequence_length})")
         if self.flow_shift is not None and self.flow_shift <= 0:
             raise ValueError(f"options.flow_shift must be > 0 (got {self.flow_shift})")
+        if self.train_experts is not None and self.train_experts not in TRAIN_EXPERTS:
+            raise ValueError(f"options.train_experts must be one of {list(TRAIN_EXPERTS)} or None "
+                             f"(got {self.train_experts!r})")
+        if self.guidance_scale_2 is not None and self.guidance_scale_2 < 0:
+            raise ValueError(f"options.guidance_scale_2 must be >= 0 or None (got {self.guidance_scale_2})")
+
+
+def pipeline_default_size() -> tuple[int, int, int]:
+    """(height, width, num_frames) that ``WanPipeline.__call__`` samples at by default (read from
+    its signature, so it follows the installed diffusers: 480, 832, 81 for 0.42)."""
+    from diffusers import WanPipeline
+
+    parameters = inspect.signature(WanPipeline.__call__).parameters
+    return tuple(int(parameters[name].default) for name in ("height", "width", "num_frames"))
+
+
+def resolve_size(options: WanOptions) -> tuple[int, int, int]:
+    """(height, width, num_frames): the options, WanPipeline's defaults where None."""
+    defaults = pipeline_default_size()
+    values = (options.height, options.width, options.num_frames)
+    return tuple(default if value is None else value for value, default in zip(values, defaults))
 
 
 def load_scheduler(path_or_hub_id: str):
@@ -74,8 +131,225 @@ def load_scheduler(path_or_hub_id: str):
     return scheduler_class.from_config(config)
 
 
+def read_pipeline_index(path_or_hub_id: str) -> dict:
+    """model_index.json of a local folder, or of a hub id (fetched with WanPipeline.load_config:
+    the index decides Wan2.1 vs Wan2.2 before any weights load)."""
+    if is_local_path(path_or_hub_id):
+        return read_model_index(path_or_hub_id)
+    from diffusers import WanPipeline
+
+    return dict(WanPipeline.load_config(path_or_hub_id))
+
+
+def _component_present(index: dict, name: str) -> bool:
+    """A pipeline component listed in model_index.json with a class (not [null, null])."""
+    entry = index.get(name)
+    return isinstance(entry, (list, tuple)) and len(entry) == 2 and entry[1] is not None
+
+
+class WanExperts(torch.nn.Module):
+    """Wan2.2's two experts as one module (the adapter's ``transformer``).
+
+    ``transformer`` is the high-noise expert: it runs the rows whose timestep t (B,) is
+    >= ``boundary_timestep`` (= boundary_ratio x num_train_timesteps, WanPipeline's rule);
+    ``transformer_2`` (low noise) runs the others. ``forward`` takes WanTransformer3DModel's
+    arguments and returns its output for the whole batch, splitting a batch whose rows straddle the
+    boundary. Being one module, LoRA / PEFT, the optimiser, DDP and checkpoints see both experts
+    (state-dict keys ``transformer.*`` and ``transformer_2.*``, the pipeline's component names).
+
+    ``train_experts`` ('both', 'high' or 'low') decides which experts ``add_adapter`` wraps and
+    ``requires_grad_(True)`` unfreezes. A forward with gradients enabled that needs an expert which
+    does not train, while the other does, is an error: its loss could not reach any weight.
+    """
+
+    # The block class FSDP's transformer-based auto-wrap reads (as from WanTransformer3DModel);
+    # FSDP / DeepSpeed with the two experts are untested.
+    _no_split_modules = ["WanTransformerBlock"]
+
+    def __init__(self, transformer: torch.nn.Module, transformer_2: torch.nn.Module,
+                 boundary_ratio: float, num_train_timesteps: int = 1000,
+                 train_experts: str = "both") -> None:
+        super().__init__()
+        if train_experts not in TRAIN_EXPERTS:
+            raise ValueError(f"train_experts must be one of {list(TRAIN_EXPERTS)} "
+                             f"(got {train_experts!r})")
+        if not 0.0 <= boundary_ratio <= 1.0:
+            raise ValueError(f"boundary_ratio must be in [0, 1] (got {boundary_ratio})")
+        self.transformer = transformer
+        self.transformer_2 = transformer_2
+        self.boundary_ratio = float(boundary_ratio)
+        self.boundary_timestep = float(boundary_ratio) * num_train_timesteps
+        self.train_experts = train_experts
+
+    # ------------------------------------------------------------------ what the adapter reads
+    @property
+    def config(self) -> Any:
+        """The high-noise expert's config (both experts share the architecture)."""
+        return self.transformer.config
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.transformer.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.transformer.device
+
+    @property
+    def trained_experts(self) -> list[torch.nn.Module]:
+        """The experts ``train_experts`` selects (high noise first)."""
+        return {"both": [self.transformer, self.transformer_2], "high": [self.transformer],
+                "low": [self.transformer_2]}[self.train_experts]
+
+    def uses_high_noise(self, timestep: Tensor) -> Tensor:
+        """(B,) bool: the rows of timestep (B,) that the high-noise expert runs (t >= boundary)."""
+        if timestep.dim() != 1:
+            raise ValueError(f"wan: Wan2.2 experts take one timestep per row, shape (B,) (got "
+                             f"{tuple(timestep.shape)}); per-token timesteps (TI2V) are not supported")
+        return timestep >= self.boundary_timestep
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, hidden_states: Tensor, timestep: Tensor, encoder_hidden_states: Tensor,
+                encoder_hidden_states_image: Tensor | None = None, return_dict: bool = True,
+                attention_kwargs: dict | None = None) -> Any:
+        """WanTransformer3DModel's forward with each row sent to its expert: hidden_states
+        (B, C, F', h, w), timestep (B,), encoder_hidden_states (B, L, D) -> (B, C, F', h, w)."""
+        high = self.uses_high_noise(timestep)
+        self._check_trains(high)
+        rows = {"hidden_states": hidden_states, "timestep": timestep,
+                "encoder_hidden_states": encoder_hidden_states,
+                "encoder_hidden_states_image": encoder_hidden_states_image}
+
+        def run(expert: torch.nn.Module, index: Tensor | None) -> Tensor:
+            picked = {k: (v if index is None or v is None else v.index_select(0, index))
+                      for k, v in rows.items()}
+            return expert(**picked, attention_kwargs=attention_kwargs, return_dict=False)[0]
+
+        n_high = int(high.sum())
+        if n_high in (0, len(high)):
+            out = run(self.transformer if n_high else self.transformer_2, None)
+        else:
+            index_high = high.nonzero().squeeze(1)
+            index_low = (~high).nonzero().squeeze(1)
+            joined = torch.cat([run(self.transformer, index_high),
+                                run(self.transformer_2, index_low)])
+            out = joined.index_select(0, torch.cat([index_high, index_low]).argsort())
+        if not return_dict:
+            return (out,)
+        from diffusers.models.modeling_outputs import Transformer2DModelOutput
+
+        return Transformer2DModelOutput(sample=out)
+
+    def _check_trains(self, high: Tensor) -> None:
+        """With gradients on, every expert the rows need must train if any expert does."""
+        if not torch.is_grad_enabled():
+            return
+        needed = {"transformer": bool(high.any()), "transformer_2": bool((~high).any())}
+        trains = {name: any(p.requires_grad for p in getattr(self, name).parameters()) for name in needed}
+        frozen = [name for name in needed if needed[name] and not trains[name]]
+        if frozen and any(trains.values()):
+            raise ValueError(
+                f"wan: a step with gradients needs the {frozen[0]} expert, which does not train "
+                f"(options.train_experts={self.train_experts!r}): its loss reaches no trained weight. "
+                f"Train only steps on the trained expert's side of t = {self.boundary_timestep:g} "
+                f"(sigma {self.boundary_ratio:g}; e.g. sampling.plan one_step_range / window_range / "
+                f"train_fraction) or set options.train_experts='both'")
+
+    # ------------------------------------------------------------------ training switches
+    def requires_grad_(self, requires_grad: bool = True) -> "WanExperts":
+        """False freezes both experts; True unfreezes the trained experts only."""
+        if not requires_grad:
+            return super().requires_grad_(False)
+        for expert in self.trained_experts:
+            expert.requires_grad_(True)
+        return self
+
+    def add_adapter(self, adapter_config: Any, adapter_name: str = "default") -> None:
+        """diffusers' ``add_adapter`` on each trained expert (a copy of the LoraConfig each)."""
+        for expert in self.trained_experts:
+            expert.add_adapter(copy.deepcopy(adapter_config), adapter_name=adapter_name)
+
+    def _adapted(self) -> list[torch.nn.Module]:
+        return [e for e in (self.transformer, self.transformer_2)
+                if getattr(e, "_hf_peft_config_loaded", False)]
+
+    @property
+    def peft_config(self) -> dict:
+        """The LoraConfig(s) of the (first) adapted expert: PEFT's state-dict and the LoRA
+        metadata read it (both experts get the same config)."""
+        adapted = self._adapted()
+        if not adapted:
+            raise AttributeError("no expert has a PEFT adapter (call add_adapter first)")
+        return adapted[0].peft_config
+
+    def disable_adapters(self) -> None:
+        for expert in self._adapted():
+            expert.disable_adapters()
+
+    def enable_adapters(self) -> None:
+        for expert in self._adapted():
+            expert.enable_adapters()
+
+    def enable_gradient_checkpointing(self) -> None:
+        for expert in (self.transformer, self.transformer_2):
+            expert.enable_gradient_checkpointing()
+
+    def disable_gradient_checkpointing(self) -> None:
+        for expert in (self.transformer, self.transformer_2):
+            expert.disable_gradient_checkpointing()
+
+    @property
+    def is_gradient_checkpointing(self) -> bool:
+        return any(e.is_gradient_checkpointing for e in (self.transformer, self.transformer_2))
+
+    @property
+    def attn_processors(self) -> dict:
+        return {f"{name}.{key}": processor for name in ("transformer", "transformer_2")
+                for key, processor in getattr(self, name).attn_processors.items()}
+
+    def set_attention_backend(self, backend: str) -> None:
+        for expert in (self.transformer, self.transformer_2):
+            expert.set_attention_backend(backend)
+
+    def save_pretrained(self, save_directory: str | os.PathLike,
+                        state_dict: dict[str, Tensor] | None = None, **kwargs: Any) -> None:
+        """Both experts in the pipeline's layout: the high-noise one at ``save_directory``
+        (e.g. <checkpoint>/transformer) and the low-noise one next to it (<checkpoint>/transformer_2),
+        each ``WanTransformer3DModel.from_pretrained``-loadable. ``state_dict``: this module's
+        consolidated state (keys ``transformer.*`` / ``transformer_2.*``), split per expert."""
+        target = Path(save_directory)
+        for name, folder in (("transformer", target),
+                             ("transformer_2", target.with_name(target.name + "_2"))):
+            part = None if state_dict is None else {
+                key[len(name) + 1:]: value for key, value in state_dict.items()
+                if key.startswith(name + ".")}
+            getattr(self, name).save_pretrained(folder, state_dict=part, **kwargs)
+
+
+def load_wan22_lora(pipeline: Any, directory: str | os.PathLike,
+                    adapter_name: str | None = None) -> list[str]:
+    """Load a Wan2.2 LoRA folder written by ``WanModel.save_lora_weights`` into a stock
+    ``WanPipeline``: ``pytorch_lora_weights.safetensors`` into ``transformer`` and
+    ``pytorch_lora_weights_transformer_2.safetensors`` into ``transformer_2`` (diffusers'
+    ``load_into_transformer_2=True``), whichever exist. Returns the components loaded."""
+    directory = os.fspath(directory)
+    loaded = []
+    for weight_name, component in ((LORA_WEIGHTS_NAME, "transformer"),
+                                   (LOW_NOISE_LORA_WEIGHTS_NAME, "transformer_2")):
+        if os.path.isfile(os.path.join(directory, weight_name)):
+            pipeline.load_lora_weights(directory, weight_name=weight_name, adapter_name=adapter_name,
+                                       load_into_transformer_2=component == "transformer_2")
+            loaded.append(component)
+    if not loaded:
+        raise FileNotFoundError(f"{directory} holds neither {LORA_WEIGHTS_NAME} nor "
+                                f"{LOW_NOISE_LORA_WEIGHTS_NAME} (give a folder written by "
+                                f"WanModel.save_lora_weights)")
+    return loaded
+
+
 class WanModel(DiffusersFlowModel):
-    """Wan2.1 T2V adapter. Build with ``WanModel.from_pretrained(path_or_hub_id, ...)``."""
+    """Wan2.1 / Wan2.2 T2V adapter. Build with ``WanModel.from_pretrained(path_or_hub_id, ...)``.
+    For Wan2.2, ``transformer`` is a ``WanExperts`` and ``boundary_ratio`` is set."""
 
     family = "wan"
     pipeline_class_path = "diffusers:WanPipeline"
@@ -85,9 +359,12 @@ class WanModel(DiffusersFlowModel):
     def __init__(self, transformer: torch.nn.Module, components: dict, options: WanOptions,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
         super().__init__(transformer, components, options, WAN_LORA_TARGET_MODULES, device, dtype)
+        self.boundary_ratio = transformer.boundary_ratio if isinstance(transformer, WanExperts) else None
+        _check_wan22_options(options, self.boundary_ratio is not None)
         vae_config = self.vae.config
-        _check_sizes(options, vae_config.scale_factor_spatial, vae_config.scale_factor_temporal,
-                     tuple(transformer.config.patch_size))
+        self.height, self.width, self.num_frames = resolve_size(options)
+        _check_sizes(self.height, self.width, self.num_frames, vae_config.scale_factor_spatial,
+                     vae_config.scale_factor_temporal, tuple(transformer.config.patch_size))
         self.scale_factor_spatial = vae_config.scale_factor_spatial
         self.scale_factor_temporal = vae_config.scale_factor_temporal
         self.scheduler_config = dict(components["scheduler"].config)
@@ -101,24 +378,28 @@ class WanModel(DiffusersFlowModel):
     def from_pretrained(cls, path_or_hub_id: str, dtype: torch.dtype = torch.float32,
                         device: torch.device | str = "cpu",
                         options: WanOptions | dict | None = None) -> "WanModel":
-        """Load every component with its class's ``from_pretrained(path, subfolder=...)``.
-        Options, folder contents, video size and frame count are validated before any weights load."""
+        """Load every component with its class's ``from_pretrained(path, subfolder=...)``; a
+        Wan2.2 folder (boundary_ratio and transformer_2 in model_index.json) loads both experts
+        into a ``WanExperts``. Options, folder contents, pipeline variant, video size and frame
+        count are validated before any weights load."""
         from diffusers import AutoencoderKLWan, WanTransformer3DModel
         from transformers import AutoTokenizer, UMT5EncoderModel
 
         options = parse_options(WanOptions, options, cls.family)
         require_attention_backend(options.attention_backend)
-        check_pipeline_folder(path_or_hub_id, {
-            "transformer": "config.json", "vae": "config.json", "scheduler": "scheduler_config.json",
-            "text_encoder": "config.json", "tokenizer": "tokenizer_config.json"}, cls.family)
-        index = read_model_index(path_or_hub_id)
-        if index.get("boundary_ratio") is not None or index.get("expand_timesteps"):
-            raise ValueError("wan: this is a Wan2.2 pipeline (boundary_ratio/expand_timesteps set); the "
-                             "adapter supports Wan2.1 text-to-video checkpoints")
+        required = {"transformer": "config.json", "vae": "config.json",
+                    "scheduler": "scheduler_config.json", "text_encoder": "config.json",
+                    "tokenizer": "tokenizer_config.json"}
+        index = read_pipeline_index(path_or_hub_id)
+        two_experts = _check_pipeline_index(index, path_or_hub_id)
+        if two_experts:
+            required["transformer_2"] = "config.json"
+        check_pipeline_folder(path_or_hub_id, required, cls.family)
+        _check_wan22_options(options, two_experts)
         transformer_config = WanTransformer3DModel.load_config(path_or_hub_id, subfolder="transformer")
         vae_config = AutoencoderKLWan.load_config(path_or_hub_id, subfolder="vae")
-        _check_sizes(options, vae_config.get("scale_factor_spatial", 8), vae_config.get("scale_factor_temporal", 4),
-                     tuple(transformer_config["patch_size"]))
+        _check_sizes(*resolve_size(options), vae_config.get("scale_factor_spatial", 8),
+                     vae_config.get("scale_factor_temporal", 4), tuple(transformer_config["patch_size"]))
 
         components = {
             "scheduler": load_scheduler(path_or_hub_id),
@@ -131,12 +412,30 @@ class WanModel(DiffusersFlowModel):
         }
         transformer = WanTransformer3DModel.from_pretrained(path_or_hub_id, subfolder="transformer",
                                                             torch_dtype=dtype)
+        if two_experts:
+            transformer = WanExperts(
+                transformer,
+                WanTransformer3DModel.from_pretrained(path_or_hub_id, subfolder="transformer_2",
+                                                      torch_dtype=dtype),
+                boundary_ratio=float(index["boundary_ratio"]),
+                num_train_timesteps=int(components["scheduler"].config.get("num_train_timesteps", 1000)),
+                train_experts=options.train_experts or "both")
         return cls(transformer, components, options, device=device, dtype=dtype)
+
+    def to_pipeline(self) -> Any:
+        """The stock WanPipeline on this adapter's components (no copies); for Wan2.2 with both
+        experts and the boundary."""
+        if self.boundary_ratio is None:
+            return super().to_pipeline()
+        return self.pipeline_class(transformer=self.transformer.transformer,
+                                   transformer_2=self.transformer.transformer_2,
+                                   boundary_ratio=self.boundary_ratio, **self.components)
 
     # ---------------------------------------------------------------------------- FlowModel
     def _encode_batch(self, prompts: list[str]) -> dict[str, Tensor]:
-        """{"prompt_embeds": (B, max_sequence_length, D)} by the stock pipeline's ``encode_prompt``."""
-        prompt_embeds, _ = self.to_pipeline().encode_prompt(
+        """{"prompt_embeds": (B, max_sequence_length, D)} by the stock pipeline's ``encode_prompt``
+        (on a text-only pipeline: encoding needs no transformer)."""
+        prompt_embeds, _ = self.pipeline_class(**self.components).encode_prompt(
             prompt=prompts, negative_prompt=None, do_classifier_free_guidance=False,
             max_sequence_length=self.options.max_sequence_length, device=self.device)
         return {"prompt_embeds": prompt_embeds}
@@ -148,9 +447,9 @@ class WanModel(DiffusersFlowModel):
     def latent_shape(self) -> tuple[int, int, int, int]:
         """(C, F', h, w) of one video latent: F' = (F - 1)/4 + 1, h = H/8, w = W/8."""
         return (self.transformer.config.in_channels,
-                (self.options.num_frames - 1) // self.scale_factor_temporal + 1,
-                self.options.height // self.scale_factor_spatial,
-                self.options.width // self.scale_factor_spatial)
+                (self.num_frames - 1) // self.scale_factor_temporal + 1,
+                self.height // self.scale_factor_spatial,
+                self.width // self.scale_factor_spatial)
 
     def initial_noise(self, batch: int, generator: torch.Generator | None) -> Tensor:
         """(batch, C, F', h, w) float32 standard normal, on the generator's device (else ``device``)."""
@@ -166,10 +465,31 @@ class WanModel(DiffusersFlowModel):
         return static_shift_sigmas(num_steps, self.shift,
                                    int(self.scheduler_config.get("num_train_timesteps", 1000)))
 
+    def high_noise_steps(self, sigmas: Tensor) -> Tensor:
+        """Wan2.2: (N,) bool, the steps at ``sigmas`` (N,) that the high-noise expert runs
+        (1000 sigma >= boundary, as WanPipeline decides on its timesteps)."""
+        if self.boundary_ratio is None:
+            raise ValueError("wan: high_noise_steps is for Wan2.2 checkpoints (two experts)")
+        return self.transformer.uses_high_noise(1000.0 * sigmas.to(torch.float32).reshape(-1))
+
+    def _guidance(self, timestep: Tensor, guidance_scale: float) -> float | Tensor:
+        """The CFG scale per row: ``guidance_scale``, or for Wan2.2 with guidance_scale_2 set
+        that scale on the low-noise expert's rows (B,)."""
+        scale_2 = self.options.guidance_scale_2
+        if self.boundary_ratio is None or scale_2 is None or scale_2 == guidance_scale:
+            return float(guidance_scale)
+        high = self.transformer.uses_high_noise(timestep)
+        if bool(high.all()):
+            return float(guidance_scale)
+        if not bool(high.any()):
+            return float(scale_2)
+        return torch.where(high, float(guidance_scale), float(scale_2)).to(torch.float32)
+
     def velocity(self, latents: Tensor, sigma: Tensor, cond: Conditioning, guidance_scale: float) -> Tensor:
         """Velocity (B, C, F', h, w) float32 at ``latents`` and per-sample sigma (B,); transformer
-        timestep = 1000 sigma. CFG (guidance_scale > 1): one forward over [negative; positive],
-        combined in float32 as v_neg + g (v_pos - v_neg)."""
+        timestep = 1000 sigma (Wan2.2: each row runs its expert). CFG (guidance_scale > 1): one
+        forward over [negative; positive], combined in float32 as v_neg + g (v_pos - v_neg), g the
+        row's scale (Wan2.2: guidance_scale_2 on low-noise rows when set)."""
         batch = latents.shape[0]
         sigma = self._per_sample_sigma(sigma, batch, self.device)
         if cond.batch_size != batch:
@@ -177,14 +497,21 @@ class WanModel(DiffusersFlowModel):
         use_cfg = self._use_cfg(cond, guidance_scale)
         hidden = latents.to(self.device, self.dtype)
         timestep = 1000.0 * sigma
-        def forward(hidden: Tensor, timestep: Tensor, text: dict[str, Tensor]) -> Tensor:
-            return self.transformer(hidden_states=hidden, timestep=timestep,
-                                    encoder_hidden_states=text["prompt_embeds"].to(self.device, self.dtype),
+        positive = cond.positive["prompt_embeds"].to(self.device, self.dtype)
+
+        def forward(hidden: Tensor, timestep: Tensor, text: Tensor) -> Tensor:
+            return self.transformer(hidden_states=hidden, timestep=timestep, encoder_hidden_states=text,
                                     return_dict=False)[0].float()
 
-        return guided_velocity(forward, hidden, timestep,
-                               {"prompt_embeds": cond.positive["prompt_embeds"]},
-                               cond.negative if use_cfg else None, guidance_scale)
+        if not use_cfg:
+            return forward(hidden, timestep, positive)
+        negative = cond.negative["prompt_embeds"].to(self.device, self.dtype)
+        v_neg, v_pos = forward(torch.cat([hidden, hidden]), torch.cat([timestep, timestep]),
+                               torch.cat([negative, positive])).chunk(2)
+        scale = self._guidance(timestep, guidance_scale)
+        if isinstance(scale, Tensor):
+            scale = scale.view(-1, *([1] * (v_pos.dim() - 1)))
+        return v_neg + scale * (v_pos - v_neg)
 
     def decode(self, latents: Tensor) -> Tensor:
         """Videos (B, F, 3, H, W) float32 in [0, 1] from latents (B, C, F', h, w)."""
@@ -196,11 +523,70 @@ class WanModel(DiffusersFlowModel):
             videos = self.vae.decode(z.to(self.vae.dtype), return_dict=False)[0]   # (B, 3, F, H, W)
         return (videos.float().permute(0, 2, 1, 3, 4) * 0.5 + 0.5).clamp(0.0, 1.0)
 
+    # ---------------------------------------------------------------------------- LoRA
+    def save_lora_weights(self, directory: str, transformer_lora_state_dict: dict[str, Tensor]) -> None:
+        """Wan2.1: as every family (``pytorch_lora_weights.safetensors``). Wan2.2: one file per
+        expert that has LoRA keys, ``pytorch_lora_weights.safetensors`` (high noise, loaded by
+        ``pipe.load_lora_weights(directory)``) and ``pytorch_lora_weights_transformer_2.safetensors``
+        (low noise, ``pipe.load_lora_weights(directory, weight_name=..., load_into_transformer_2=
+        True)``); ``load_wan22_lora(pipe, directory)`` does both."""
+        if self.boundary_ratio is None:
+            return super().save_lora_weights(directory, transformer_lora_state_dict)
+        if not transformer_lora_state_dict:
+            raise ValueError("transformer_lora_state_dict is empty; pass "
+                             "peft.get_peft_model_state_dict(model.transformer)")
+        parts: dict[str, dict[str, Tensor]] = {"transformer": {}, "transformer_2": {}}
+        for key, value in strip_peft_wrapper_prefix(transformer_lora_state_dict).items():
+            expert, _, rest = key.partition(".")
+            if expert not in parts:
+                raise ValueError(f"wan: LoRA key {key!r} belongs to neither expert (keys must start "
+                                 "with 'transformer.' or 'transformer_2.': a WanExperts state dict)")
+            parts[expert][rest] = value
+        for expert, weight_name in (("transformer", LORA_WEIGHTS_NAME),
+                                    ("transformer_2", LOW_NOISE_LORA_WEIGHTS_NAME)):
+            if parts[expert]:
+                self.pipeline_class.save_lora_weights(
+                    directory, transformer_lora_layers=parts[expert], weight_name=weight_name,
+                    transformer_lora_adapter_metadata=lora_adapter_metadata(
+                        getattr(self.transformer, expert)))
 
-def _check_sizes(options: WanOptions, spatial: int, temporal: int, patch_size: tuple[int, ...]) -> None:
-    for name, value, patch in (("height", options.height, patch_size[1]), ("width", options.width, patch_size[2])):
+
+def _check_pipeline_index(index: dict, path_or_hub_id: str) -> bool:
+    """True for a Wan2.2 two-expert T2V folder, False for Wan2.1; an error for the variants this
+    adapter does not reproduce."""
+    name = index.get("_class_name", "WanPipeline")
+    if name != "WanPipeline":
+        raise ValueError(f"wan: {path_or_hub_id!r} is a {name} folder; this adapter is text-to-video "
+                         "(WanPipeline: Wan2.1 T2V or Wan2.2 T2V-A14B)")
+    if index.get("expand_timesteps"):
+        raise ValueError(f"wan: {path_or_hub_id!r} sets expand_timesteps (Wan2.2 TI2V-5B: per-token "
+                         "timesteps, a 16x VAE); not supported. Use a Wan2.1 T2V or Wan2.2 T2V-A14B folder")
+    has_high, has_low = _component_present(index, "transformer"), _component_present(index, "transformer_2")
+    if index.get("boundary_ratio") is None:
+        if has_low:
+            raise ValueError(f"wan: {path_or_hub_id!r} has a transformer_2 but no boundary_ratio in "
+                             "model_index.json, so WanPipeline would never run it; set boundary_ratio")
+        return False
+    if not (has_high and has_low):
+        raise ValueError(f"wan: {path_or_hub_id!r} sets boundary_ratio but lacks "
+                         f"{'transformer_2' if has_high else 'transformer'}; Wan2.2 needs both experts "
+                         "(transformer = high noise, transformer_2 = low noise)")
+    return True
+
+
+def _check_wan22_options(options: WanOptions, two_experts: bool) -> None:
+    if two_experts:
+        return
+    for name in ("guidance_scale_2", "train_experts"):
+        if getattr(options, name) is not None:
+            raise ValueError(f"options.{name} is for Wan2.2 checkpoints (two experts); this one has a "
+                             f"single transformer: remove {name}")
+
+
+def _check_sizes(height: int, width: int, frames: int, spatial: int, temporal: int,
+                 patch_size: tuple[int, ...]) -> None:
+    for name, value, patch in (("height", height, patch_size[1]), ("width", width, patch_size[2])):
         check_divisible(value, spatial * patch, name, "wan", f"VAE factor {spatial} x patch size {patch}")
-    frames = options.num_frames
     if isinstance(frames, bool) or not isinstance(frames, int) or frames < 1 or (frames - 1) % temporal:
         lower = max(frames - (frames - 1) % temporal, 1) if isinstance(frames, int) and frames >= 1 else 1
         raise ValueError(f"options.num_frames must be {temporal}k + 1 for wan (the VAE encodes the first "

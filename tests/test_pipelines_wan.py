@@ -142,3 +142,406 @@ def test_vae_slicing_and_tiling_switches(tiny_wan_dir, wan):
     assert not wan.vae.use_slicing and not wan.vae.use_tiling
     latents = torch.randn(2, *wan.latent_shape, generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(model.decode(latents), wan.decode(latents), atol=1e-5, rtol=0)
+
+
+# ================================================================================ Wan2.2
+# Two experts (transformer = high noise, transformer_2 = low noise) switched at boundary_ratio.
+WAN22_STEPS = 6   # shift 3: the first two steps are high noise (t >= 875), the other four low
+
+
+@pytest.fixture(scope="session")
+def tiny_wan22_dir(tmp_path_factory) -> str:
+    from pipelines.tiny import save_tiny
+
+    return save_tiny("wan22", tmp_path_factory.mktemp("tiny") / "wan22")
+
+
+@pytest.fixture(scope="module")
+def wan22(tiny_wan22_dir):
+    return load_model("wan", tiny_wan22_dir, options=VIDEO_OPTIONS)
+
+
+def _wan22_pipeline(directory, shift):
+    return _stock_pipeline(directory, shift)
+
+
+def _wan22_stock(pipe, noise, guidance_scale, guidance_scale_2=None, output_type="pt", steps=WAN22_STEPS):
+    out = pipe(PROMPTS, height=VIDEO_OPTIONS["height"], width=VIDEO_OPTIONS["width"],
+               num_frames=VIDEO_OPTIONS["num_frames"], num_inference_steps=steps,
+               guidance_scale=guidance_scale, guidance_scale_2=guidance_scale_2, latents=noise.clone(),
+               output_type=output_type, max_sequence_length=TINY_MAX_SEQUENCE_LENGTH)
+    return out.frames
+
+
+@torch.no_grad()
+def _ode_latents(model, noise, num_steps, guidance_scale):
+    cond = model.encode_prompts(PROMPTS)
+    sigmas = model.sigmas(num_steps)
+    x = noise.clone().float()
+    for i in range(num_steps):
+        x = x + model.velocity(x, sigmas[i].expand(len(x)), cond, guidance_scale) * (sigmas[i + 1] - sigmas[i])
+    return x
+
+
+class ExpertLog:
+    """Which expert ran at which timestep: forward pre-hooks on both experts."""
+
+    def __init__(self, experts: dict[str, torch.nn.Module]) -> None:
+        self.calls: list[tuple[str, tuple[float, ...]]] = []
+        self._handles = [module.register_forward_pre_hook(self._hook(name), with_kwargs=True)
+                         for name, module in experts.items()]
+
+    def _hook(self, name):
+        def hook(module, args, kwargs):
+            timestep = kwargs["timestep"] if "timestep" in kwargs else args[1]
+            self.calls.append((name, tuple(float(t) for t in timestep.reshape(-1))))
+        return hook
+
+    def by_timestep(self) -> dict[float, set[str]]:
+        out: dict[float, set[str]] = {}
+        for name, timesteps in self.calls:
+            for t in timesteps:
+                out.setdefault(t, set()).add(name)
+        return out
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+def test_wan22_loads_both_experts(wan22):
+    from pipelines.wan import WanExperts
+
+    experts = wan22.transformer
+    assert isinstance(experts, WanExperts) and isinstance(wan22, FlowModel)
+    assert wan22.boundary_ratio == 0.875 and experts.boundary_timestep == 875.0
+    assert not torch.equal(experts.transformer.blocks[0].attn1.to_q.weight,
+                           experts.transformer_2.blocks[0].attn1.to_q.weight)
+    pipe = wan22.to_pipeline()
+    assert pipe.transformer is experts.transformer and pipe.transformer_2 is experts.transformer_2
+    assert pipe.config.boundary_ratio == 0.875
+    keys = set(experts.state_dict())
+    assert any(k.startswith("transformer.blocks.") for k in keys) and any(k.startswith("transformer_2.") for k in keys)
+
+
+@pytest.mark.parametrize("guidance_scale, guidance_scale_2", [(1.0, None), (5.0, None), (4.0, 3.0)],
+                         ids=["cfg_off", "cfg_on", "cfg_per_expert"])
+def test_wan22_ode_matches_stock_pipeline(tiny_wan22_dir, guidance_scale, guidance_scale_2):
+    model = load_model("wan", tiny_wan22_dir, options={**VIDEO_OPTIONS, "guidance_scale_2": guidance_scale_2})
+    noise = model.initial_noise(len(PROMPTS), torch.Generator().manual_seed(0))
+    latents = _ode_latents(model, noise, WAN22_STEPS, guidance_scale)
+    videos = model.decode(latents)
+    pipe = _wan22_pipeline(tiny_wan22_dir, model.shift)
+    reference_latents = _wan22_stock(pipe, noise, guidance_scale, guidance_scale_2, "latent")
+    torch.testing.assert_close(latents, reference_latents, atol=1e-5, rtol=0)
+    reference = _wan22_stock(pipe, noise, guidance_scale, guidance_scale_2)
+    assert videos.shape == reference.shape == (2, 5, 3, 32, 32)
+    assert ((videos > 0) & (videos < 1)).float().mean() > 0.9
+    torch.testing.assert_close(videos, reference, atol=1e-5, rtol=0)
+
+
+def test_wan22_guidance_scale_2_changes_only_low_noise_steps(tiny_wan22_dir, wan22):
+    other = load_model("wan", tiny_wan22_dir, options={**VIDEO_OPTIONS, "guidance_scale_2": 1.5})
+    x = wan22.initial_noise(2, torch.Generator().manual_seed(1))
+    cond = wan22.encode_prompts(PROMPTS)
+    with torch.no_grad():
+        for sigma, same in ((0.95, True), (0.5, False)):
+            a = wan22.velocity(x, torch.full((2,), sigma), cond, 5.0)
+            b = other.velocity(x, torch.full((2,), sigma), cond, 5.0)
+            assert torch.equal(a, b) == same
+
+
+def test_wan22_expert_at_every_step_is_the_pipelines_choice(tiny_wan22_dir):
+    """Hooks on both experts: over a whole CFG run, each timestep is handled by the same expert in
+    the adapter as in WanPipeline (same Euler grid), and both experts take part."""
+    model = load_model("wan", tiny_wan22_dir, options=VIDEO_OPTIONS)
+    noise = model.initial_noise(len(PROMPTS), torch.Generator().manual_seed(2))
+    experts = {"high": model.transformer.transformer, "low": model.transformer.transformer_2}
+    ours = ExpertLog(experts)
+    try:
+        _ode_latents(model, noise, WAN22_STEPS, 5.0)
+    finally:
+        ours.remove()
+    pipe = _wan22_pipeline(tiny_wan22_dir, model.shift)
+    theirs = ExpertLog({"high": pipe.transformer, "low": pipe.transformer_2})
+    try:
+        _wan22_stock(pipe, noise, 5.0, output_type="latent")
+    finally:
+        theirs.remove()
+    chosen = ours.by_timestep()
+    assert chosen == theirs.by_timestep()
+    assert len(chosen) == WAN22_STEPS and all(len(names) == 1 for names in chosen.values())
+    by_step = [next(iter(chosen[t])) for t in sorted(chosen, reverse=True)]
+    assert by_step == ["high", "high", "low", "low", "low", "low"]
+    expected = model.high_noise_steps(model.sigmas(WAN22_STEPS)[:-1]).tolist()
+    assert by_step == ["high" if h else "low" for h in expected]
+
+
+def test_wan22_rows_on_both_sides_of_the_boundary_go_to_their_experts(wan22):
+    x = wan22.initial_noise(2, torch.Generator().manual_seed(3))
+    cond = wan22.encode_prompts(PROMPTS)
+    log = ExpertLog({"high": wan22.transformer.transformer, "low": wan22.transformer.transformer_2})
+    try:
+        with torch.no_grad():
+            mixed = wan22.velocity(x, torch.tensor([0.3, 0.95]), cond, 5.0)
+    finally:
+        log.remove()
+    assert log.by_timestep() == {300.0: {"low"}, 950.0: {"high"}}
+    with torch.no_grad():
+        low = wan22.velocity(x[:1], torch.tensor([0.3]), cond.select([0]), 5.0)
+        high = wan22.velocity(x[1:], torch.tensor([0.95]), cond.select([1]), 5.0)
+    torch.testing.assert_close(mixed, torch.cat([low, high]), atol=1e-5, rtol=0)
+
+
+def test_wan22_lora_on_both_experts_loads_into_stock_pipeline(tiny_wan22_dir, tmp_path):
+    from peft import LoraConfig, get_peft_model_state_dict
+
+    from pipelines.wan import LORA_WEIGHTS_NAME, LOW_NOISE_LORA_WEIGHTS_NAME, load_wan22_lora
+
+    model = load_model("wan", tiny_wan22_dir, options=VIDEO_OPTIONS)
+    model.transformer.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=model.lora_target_modules,
+                                             init_lora_weights="gaussian"))
+    assert perturb_lora(model.transformer) == 2 * 2 * 10   # 2 experts x 2 blocks x 10 targets
+    noise = model.initial_noise(len(PROMPTS), torch.Generator().manual_seed(4))
+    ours = model.decode(_ode_latents(model, noise, WAN22_STEPS, 5.0))
+    model.save_lora_weights(str(tmp_path), get_peft_model_state_dict(model.transformer))
+    assert (tmp_path / LORA_WEIGHTS_NAME).is_file() and (tmp_path / LOW_NOISE_LORA_WEIGHTS_NAME).is_file()
+    pipe = _wan22_pipeline(tiny_wan22_dir, model.shift)
+    without_lora = _wan22_stock(pipe, noise, 5.0)
+    # The stock loader, expert by expert (load_wan22_lora is exactly these two calls).
+    pipe.load_lora_weights(str(tmp_path))
+    high_only = _wan22_stock(pipe, noise, 5.0)
+    pipe.load_lora_weights(str(tmp_path), weight_name=LOW_NOISE_LORA_WEIGHTS_NAME, load_into_transformer_2=True)
+    with_lora = _wan22_stock(pipe, noise, 5.0)
+    assert (high_only - without_lora).abs().max() > 1e-3 and (with_lora - high_only).abs().max() > 1e-3
+    torch.testing.assert_close(ours, with_lora, atol=1e-5, rtol=0)
+    fresh = _wan22_pipeline(tiny_wan22_dir, model.shift)
+    assert load_wan22_lora(fresh, tmp_path) == ["transformer", "transformer_2"]
+    torch.testing.assert_close(_wan22_stock(fresh, noise, 5.0), with_lora, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("train_experts, trained, frozen_sigma",
+                         [("high", "transformer", 0.3), ("low", "transformer_2", 0.95)])
+def test_wan22_train_experts_selects_what_trains(tiny_wan22_dir, tmp_path, train_experts, trained, frozen_sigma):
+    from peft import LoraConfig, get_peft_model_state_dict
+
+    from pipelines.wan import LORA_WEIGHTS_NAME, LOW_NOISE_LORA_WEIGHTS_NAME
+
+    model = load_model("wan", tiny_wan22_dir, options={**VIDEO_OPTIONS, "train_experts": train_experts})
+    experts = model.transformer
+    experts.add_adapter(LoraConfig(r=2, target_modules=model.lora_target_modules))
+    adapted = {name for name in ("transformer", "transformer_2")
+               if any("lora_A" in n for n, _ in getattr(experts, name).named_parameters())}
+    assert adapted == {trained}
+    keys = get_peft_model_state_dict(experts)
+    assert keys and all(k.startswith(trained + ".") for k in keys)
+    model.save_lora_weights(str(tmp_path), keys)
+    written = {p.name for p in tmp_path.glob("*.safetensors")}
+    assert written == {LORA_WEIGHTS_NAME if trained == "transformer" else LOW_NOISE_LORA_WEIGHTS_NAME}
+    x = model.initial_noise(1, torch.Generator().manual_seed(5))
+    cond = model.encode_prompts(PROMPTS[:1])
+    with pytest.raises(ValueError, match=rf"train_experts='{train_experts}'.*train_experts='both'"):
+        model.velocity(x, torch.tensor([frozen_sigma]), cond, 5.0)   # gradients on: loss reaches nothing
+    with torch.no_grad():   # sampling with the frozen expert is fine
+        model.velocity(x, torch.tensor([frozen_sigma]), cond, 5.0)
+    # full fine-tuning: requires_grad_(True) unfreezes the selected expert only
+    experts.requires_grad_(False).requires_grad_(True)
+    unfrozen = {name for name in ("transformer", "transformer_2")
+                if any(p.requires_grad for p in getattr(experts, name).parameters())}
+    assert unfrozen == {trained}
+
+
+def test_wan22_full_weights_save_in_the_pipeline_layout(wan22, tmp_path):
+    from diffusers import WanTransformer3DModel
+
+    wan22.transformer.save_pretrained(tmp_path / "transformer")
+    for name in ("transformer", "transformer_2"):
+        loaded = WanTransformer3DModel.from_pretrained(tmp_path / name)
+        original = getattr(wan22.transformer, name).state_dict()
+        assert all(torch.equal(v, original[k]) for k, v in loaded.state_dict().items())
+
+
+def test_wan22_fsdp_wraps_the_blocks_of_both_experts(wan22, monkeypatch):
+    """fsdp.yaml's transformer-based auto-wrap finds Wan's block class on the two-expert module
+    (the wrap policy only; FSDP runs with the experts are untested)."""
+    from tests.test_accelerate_configs import fsdp_plugin
+
+    plugin = fsdp_plugin("fsdp.yaml", monkeypatch)
+    plugin.set_auto_wrap_policy(wan22.transformer)
+    classes = plugin.auto_wrap_policy.keywords["transformer_layer_cls"]
+    assert {c.__name__ for c in classes} == {"WanTransformerBlock"}
+
+
+def test_wan22_default_size_is_the_pipelines(tiny_wan22_dir):
+    """Without size options the model samples at the size WanPipeline uses when given none (the
+    checkpoint folder records no size): 480 x 832, 81 frames, the latents its prepare_latents makes."""
+    from diffusers import WanPipeline
+
+    from pipelines.wan import pipeline_default_size
+
+    model = load_model("wan", tiny_wan22_dir, options={"max_sequence_length": TINY_MAX_SEQUENCE_LENGTH})
+    assert (model.height, model.width, model.num_frames) == pipeline_default_size() == (480, 832, 81)
+    pipe = WanPipeline.from_pretrained(tiny_wan22_dir)
+    drawn = pipe.prepare_latents(1, 16, 480, 832, 81, torch.float32, "cpu", torch.Generator().manual_seed(0))
+    assert torch.equal(model.initial_noise(1, torch.Generator().manual_seed(0)), drawn)
+
+
+@pytest.mark.slow
+def test_wan22_samples_at_the_default_size_like_the_pipeline(tiny_wan22_dir):
+    """One Euler step at the default 480 x 832 x 81 (latents only: the tiny VAE takes ~80 s to
+    decode that): the adapter's latents equal WanPipeline's at its defaults (~20 s)."""
+    model = load_model("wan", tiny_wan22_dir, options={"max_sequence_length": TINY_MAX_SEQUENCE_LENGTH})
+    noise = model.initial_noise(1, torch.Generator().manual_seed(0))
+    cond = model.encode_prompts(PROMPTS[:1])
+    sigmas = model.sigmas(1)
+    with torch.no_grad():
+        ours = noise + model.velocity(noise, sigmas[:1], cond, 1.0) * (sigmas[1] - sigmas[0])
+    pipe = _wan22_pipeline(tiny_wan22_dir, model.shift)
+    theirs = pipe(PROMPTS[:1], num_inference_steps=1, guidance_scale=1.0, latents=noise.clone(),
+                  output_type="latent", max_sequence_length=TINY_MAX_SEQUENCE_LENGTH).frames
+    assert ours.shape == theirs.shape == (1, 16, 21, 60, 104)
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=0)
+
+
+def test_wan22_errors_are_raised_before_weights_load(tiny_wan22_dir, tiny_wan_dir, tmp_path, monkeypatch):
+    import json
+
+    ti2v = tmp_path / "ti2v"
+    shutil.copytree(tiny_wan22_dir, ti2v)
+    index = json.loads((ti2v / "model_index.json").read_text())
+    (ti2v / "model_index.json").write_text(json.dumps({**index, "expand_timesteps": True}))
+    one_expert = tmp_path / "one_expert"
+    shutil.copytree(tiny_wan22_dir, one_expert)
+    (one_expert / "model_index.json").write_text(json.dumps({**index, "transformer_2": [None, None]}))
+    i2v = tmp_path / "i2v"
+    shutil.copytree(tiny_wan22_dir, i2v)
+    (i2v / "model_index.json").write_text(json.dumps({**index, "_class_name": "WanImageToVideoPipeline"}))
+    fail_on_weight_loading(monkeypatch)
+    with pytest.raises(ValueError, match="expand_timesteps"):
+        load_model("wan", ti2v, options=VIDEO_OPTIONS)
+    with pytest.raises(ValueError, match="lacks transformer_2"):
+        load_model("wan", one_expert, options=VIDEO_OPTIONS)
+    with pytest.raises(ValueError, match="WanImageToVideoPipeline"):
+        load_model("wan", i2v, options=VIDEO_OPTIONS)
+    with pytest.raises(ValueError, match="options.guidance_scale_2 is for Wan2.2"):
+        load_model("wan", tiny_wan_dir, options={**VIDEO_OPTIONS, "guidance_scale_2": 3.0})
+    with pytest.raises(ValueError, match="options.train_experts is for Wan2.2"):
+        load_model("wan", tiny_wan_dir, options={**VIDEO_OPTIONS, "train_experts": "high"})
+    with pytest.raises(ValueError, match=r"train_experts must be one of \['both', 'high', 'low'\]"):
+        load_model("wan", tiny_wan22_dir, options={**VIDEO_OPTIONS, "train_experts": "low_noise"})
+
+
+# ------------------------------------------------------------------------------- Wan2.2 training
+def _wan22_train_config(path, tmp_path, *overrides: str, options=None, iterations: int = 1):
+    from flowgrpo.config import load_config
+
+    (tmp_path / "prompts.txt").write_text("a red square\na blue circle\n")
+    return load_config(data={
+        "name": "wan22",
+        "model": {"family": "wan", "path": path, "options": {**VIDEO_OPTIONS, **(options or {})},
+                  "lora": {"rank": 2, "alpha": 4}},
+        "prompts": {"train": str(tmp_path / "prompts.txt"), "eval": None},
+        "sampling": {"num_steps": 4, "rollout_batch_size": 2, "guidance_scale": 4.0},
+        "training": {"prompts_per_iteration": 2, "group_size": 2, "lr": 1e-3,
+                     "skip_zero_std_groups": False},
+        "rewards": {"components": [{"name": "tests.helpers:Brightness"}], "threaded": False},
+        "run": {"output_dir": str(tmp_path / "runs"), "max_iterations": iterations, "tracker": "none",
+                "progress": False, "checkpoint_every": 0, "eval_every": 0},
+    }, overrides=list(overrides))
+
+
+def _plans():
+    from tests.test_trainer import PLANS
+
+    return PLANS
+
+
+@pytest.mark.parametrize("plan", sorted(_plans()))
+def test_wan22_first_pass_ratio_is_one_under_every_plan(plan, tiny_wan22_dir, tmp_path):
+    from flowgrpo.trainer import Trainer
+
+    trainer = Trainer(_wan22_train_config(tiny_wan22_dir, tmp_path, *_plans()[plan],
+                                          options={"guidance_scale_2": 3.0}))
+    metrics = trainer.run_iteration(0)
+    assert metrics["train/replay_batches"] > 0
+    assert metrics["train/first_pass_ratio_max_dev"] == 0.0
+
+
+def _lora_weights(module, expert):
+    return {n: p.detach().clone() for n, p in getattr(module, expert).named_parameters() if "lora_" in n}
+
+
+def test_wan22_training_updates_both_experts_and_checkpoints_load_into_stock_pipeline(tiny_wan22_dir, tmp_path):
+    """A full plan over 4 steps trains steps on both sides of the boundary (with gradient
+    checkpointing and a KL to both experts without LoRA): both experts' LoRA move, the checkpoint
+    holds one file per expert, and the stock pipeline with both loaded reproduces the trained
+    adapter's samples."""
+    from flowgrpo.trainer import Trainer
+
+    from pipelines.wan import LORA_WEIGHTS_NAME, LOW_NOISE_LORA_WEIGHTS_NAME, load_wan22_lora
+
+    trainer = Trainer(_wan22_train_config(tiny_wan22_dir, tmp_path, "model.gradient_checkpointing=true",
+                                          "training.kl_beta=0.004", iterations=2))
+    assert trainer.module.is_gradient_checkpointing
+    model = trainer.model
+    assert model.high_noise_steps(model.sigmas(4)[:-1]).tolist() == [True, False, False, False]
+    before = {e: _lora_weights(trainer.module, e) for e in ("transformer", "transformer_2")}
+    history = trainer.train()
+    assert [h for h in history if h["phase"] == "train"][0]["train/first_pass_ratio_max_dev"] == 0.0
+    second = [h for h in history if h["phase"] == "train"][1]
+    assert second["train/kl"] > 0   # LoRA moved away from the adapter-free reference
+    for expert, weights in before.items():
+        after = _lora_weights(trainer.module, expert)
+        assert any(not torch.equal(after[n], w) for n, w in weights.items()), expert
+    checkpoint = trainer.run_dir / "checkpoints" / "2"
+    assert (checkpoint / LORA_WEIGHTS_NAME).is_file() and (checkpoint / LOW_NOISE_LORA_WEIGHTS_NAME).is_file()
+    noise = model.initial_noise(len(PROMPTS), torch.Generator().manual_seed(6))
+    ours = model.decode(_ode_latents(model, noise, WAN22_STEPS, 4.0))
+    pipe = _wan22_pipeline(tiny_wan22_dir, model.shift)
+    load_wan22_lora(pipe, checkpoint)
+    torch.testing.assert_close(ours, _wan22_stock(pipe, noise, 4.0), atol=1e-5, rtol=0)
+
+
+def test_wan22_training_one_expert(tiny_wan22_dir, tmp_path):
+    """train_experts='high' with a one-step plan on the first (high-noise) step: only the high-noise
+    expert's LoRA exists and moves, and only its file is written."""
+    from flowgrpo.trainer import Trainer
+
+    from pipelines.wan import LORA_WEIGHTS_NAME
+
+    trainer = Trainer(_wan22_train_config(
+        tiny_wan22_dir, tmp_path, "sampling.plan.kind=one_step", "sampling.plan.one_step_range=[0,1]",
+        options={"train_experts": "high"}, iterations=1))
+    assert not _lora_weights(trainer.module, "transformer_2")
+    before = _lora_weights(trainer.module, "transformer")
+    history = trainer.train()
+    assert [h for h in history if h["phase"] == "train"][0]["train/first_pass_ratio_max_dev"] == 0.0
+    after = _lora_weights(trainer.module, "transformer")
+    assert any(not torch.equal(after[n], w) for n, w in before.items())
+    checkpoint = trainer.run_dir / "checkpoints" / "1"
+    assert {p.name for p in checkpoint.glob("pytorch_lora_weights*.safetensors")} == {LORA_WEIGHTS_NAME}
+
+
+@pytest.mark.slow
+def test_wan22_ddp_two_processes_train_the_same_weights_as_one(tiny_wan22_dir, tmp_path):
+    """Under DDP (gloo, 2 CPU processes) each replay batch runs one expert, so the other's LoRA
+    is unused in that forward: with training.ddp_find_unused_parameters the two processes end
+    with the weights of one process (~60 s)."""
+    from tests.test_multiprocess import assert_same_weights, final_weights, launch, train_config
+
+    model = {"family": "wan", "path": tiny_wan22_dir, "options": dict(VIDEO_OPTIONS),
+             "lora": {"rank": 4, "alpha": 8}}
+    for processes in (1, 2):
+        folder = tmp_path / str(processes)
+        folder.mkdir()
+        train_config(folder / "c.yaml", folder, "ddp22", model, ddp_find_unused_parameters=True)
+        record = launch(processes, folder / "c.yaml", folder / "out.json", "mp_train.py", "train")
+        assert record["num_processes"] == processes
+        assert record["first_pass_ratio_max_dev"] == [0.0, 0.0, 0.0]
+        if processes == 2:
+            assert record["wrapper"] == "DistributedDataParallel"
+            assert any(n.startswith("transformer_2.") for n in record["trainable"])
+    one, two = final_weights(tmp_path / "1", "ddp22"), final_weights(tmp_path / "2", "ddp22")
+    assert_same_weights(one, two)
+    for expert in ("transformer.", "transformer_2."):
+        assert any(name.startswith(expert) for name in one)
