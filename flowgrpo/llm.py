@@ -23,7 +23,6 @@ several processes samples what one process would.
 """
 from __future__ import annotations
 
-import inspect
 import json
 import math
 import time
@@ -136,26 +135,6 @@ def token_logp(module: nn.Module, input_ids: Tensor, attention_mask: Tensor, pro
     logits = logits[:, prompt_length - 1:-1].float() / temperature
     targets = input_ids[:, prompt_length:]
     return torch.log_softmax(logits, dim=-1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-
-
-def overlong_penalty(lengths: Tensor, max_new_tokens: int, buffer: int, penalty: float) -> Tensor:
-    """DAPO's soft overlong punishment, (B,) float32 <= 0.
-
-    With L_exp = max_new_tokens - buffer: 0 for length <= L_exp, then falling linearly to
-    -penalty at length = max_new_tokens, -penalty beyond. ``buffer = 0`` disables it (zeros).
-
-    Args:
-        lengths: (B,) completion lengths in tokens.
-    """
-    if buffer < 0 or buffer > max_new_tokens:
-        raise ValueError(f"buffer must be in [0, max_new_tokens={max_new_tokens}] (got {buffer})")
-    if penalty < 0:
-        raise ValueError(f"penalty must be >= 0 (got {penalty})")
-    lengths = lengths.float()
-    if buffer == 0:
-        return torch.zeros_like(lengths)
-    expected = max_new_tokens - buffer
-    return (-(lengths - expected).clamp(min=0) / buffer).clamp(min=-1) * penalty
 
 
 def top_p_filter(probs: Tensor, top_p: float) -> Tensor:
@@ -305,92 +284,29 @@ def default_lora_targets(module: nn.Module) -> list[str]:
 # --------------------------------------------------------------------------- rewards
 
 
-class TextRewards:
-    """Text rewards combined like ``MultiReward``: every component, and ``"total"``.
+def text_rewards(config: TrainConfig):
+    """The config's text rewards combined like image rewards (``reward_models.MultiReward`` with
+    ``load_text_reward``): every component and ``"total"``. With DAPO's overlong shaping on
+    (``llm.overlong_buffer > 0``), ``"overlong"`` (``reward_models.text.OverlongReward``) is one
+    more component of weight 1, so GDPO normalises it apart."""
+    from reward_models import MultiReward
+    from reward_models.text import load_text_reward
 
-    Specs are dicts ``{name, weight, label, **options}``; ``name`` is a registered text reward
-    (``reward_models.text``) or ``"package.module:Name"`` of a class (built with the options) or of
-    a function ``(completions, prompts, metadata) -> (B,)`` (no options). A component's key is its
-    ``label``, else the reward's ``name`` attribute, else the ``Name`` after the colon. With DAPO overlong
-    shaping on, ``"overlong"`` is one more component of weight 1, so GDPO normalises it apart.
-    """
+    specs = [{"name": c.name, "weight": c.weight, **c.options} for c in config.rewards.components]
+    llm = config.llm
+    if llm.overlong_buffer > 0:
+        if any((spec.get("label") or spec["name"]) == OVERLONG_KEY for spec in specs):
+            raise ConfigError(f"rewards.components: the label {OVERLONG_KEY!r} is taken by "
+                              f"llm.overlong_buffer's shaping; give the component another label")
+        specs.append({"name": "overlong", "label": OVERLONG_KEY, "weight": 1.0,
+                      "max_new_tokens": llm.max_new_tokens, "buffer": llm.overlong_buffer,
+                      "penalty": llm.overlong_penalty})
+    return MultiReward(specs, config.rewards.aggregation, load=load_text_reward)
 
-    def __init__(self, specs: list[dict], aggregation: str = "weighted_sum", *,
-                 overlong_buffer: int = 0, overlong_penalty: float = 1.0,
-                 max_new_tokens: int = 1) -> None:
-        import reward_models.text  # noqa: F401  (registers the built-in text rewards)
-        from reward_models.loading import resolve_reward_class
 
-        if not specs:
-            raise ValueError("rewards.components is empty: add a text reward, e.g. "
-                             "[{name: exact_match}]")
-        self.aggregation = aggregation
-        self.rewards: dict[str, object] = {}
-        self._weights: dict[str, float] = {}
-        for spec in specs:
-            options = {k: v for k, v in spec.items() if k not in ("name", "weight", "label")}
-            name = spec["name"]
-            target = resolve_reward_class(name)
-            if inspect.isclass(target):
-                params = inspect.signature(target).parameters
-                unknown = sorted(set(options) - set(params))
-                if unknown and not any(p.kind == p.VAR_KEYWORD for p in params.values()):
-                    raise ValueError(f"reward {name!r} has no option {unknown[0]!r}; valid options: "
-                                     f"{', '.join(params) or 'none'}")
-                reward = target(**options)
-            elif callable(target):
-                if options:
-                    raise ValueError(f"reward {name!r} is a function and takes no options (got "
-                                     f"{sorted(options)}); make it a class to configure it")
-                reward = target
-            else:
-                raise TypeError(f"reward {name!r} resolved to {type(target).__name__}, which is "
-                                f"not callable")
-            key = spec.get("label") or getattr(reward, "name", None) or name.rsplit(":", 1)[-1]
-            if not isinstance(key, str) or "." in key or key in ("total", OVERLONG_KEY):
-                raise ValueError(f"reward label {key!r} must not contain '.' nor be 'total' or "
-                                 f"'{OVERLONG_KEY}'; set 'label' in the spec")
-            if key in self.rewards:
-                raise ValueError(f"reward {key!r} appears twice; give each a distinct 'label'")
-            self.rewards[key] = reward
-            weight = spec.get("weight", 1.0)
-            if isinstance(weight, bool) or not isinstance(weight, (int, float)) \
-                    or not math.isfinite(weight):
-                raise ValueError(f"reward {key!r}: weight must be a finite number (got {weight!r})")
-            self._weights[key] = float(weight)
-        self.overlong_buffer = overlong_buffer
-        self.overlong_penalty = overlong_penalty
-        self.max_new_tokens = max_new_tokens
-        if overlong_buffer > 0:
-            self._weights[OVERLONG_KEY] = 1.0
-
-    @property
-    def weights(self) -> dict[str, float]:
-        """Component key -> weight (the inputs of the weighted sum and of GDPO)."""
-        return dict(self._weights)
-
-    def __call__(self, completions: list[str], prompts: list[str], metadata: list[dict],
-                 completion_lengths: Tensor | None = None) -> dict[str, Tensor]:
-        """Every component's (B,) float32 scores, ``<key>.<part>`` for rewards with components,
-        ``"overlong"`` when shaping is on (needs ``completion_lengths`` (B,) in tokens), and
-        ``"total"`` = sum_k w_k score_k (NaN where a weighted score is NaN)."""
-        from reward_models.base import as_score_vector, score_with_components
-        from reward_models.multi import weighted_total
-
-        batch = len(completions)
-        out: dict[str, Tensor] = {}
-        for key, reward in self.rewards.items():
-            main, parts = score_with_components(reward, completions, prompts, metadata)
-            out[key] = as_score_vector(main, batch, key)
-            for part, values in parts.items():
-                out[f"{key}.{part}"] = as_score_vector(values, batch, f"{key}.{part}")
-        if self.overlong_buffer > 0:
-            if completion_lengths is None:
-                raise ValueError("completion_lengths (B,) are required when overlong shaping is on")
-            out[OVERLONG_KEY] = overlong_penalty(completion_lengths, self.max_new_tokens,
-                                                 self.overlong_buffer, self.overlong_penalty)
-        out["total"] = weighted_total({k: out[k] for k in self._weights}, self._weights)
-        return out
+def with_token_counts(metadata: list[dict], completion_ids: list[list[int]]) -> list[dict]:
+    """Copies of ``metadata`` with ``completion_tokens`` (what the overlong reward reads)."""
+    return [{**m, "completion_tokens": len(ids)} for m, ids in zip(metadata, completion_ids)]
 
 
 def zero_variance_groups(values: dict[str, Tensor], group_ids: Tensor) -> set[int]:
@@ -450,12 +366,7 @@ class LMPolicy:
         self.accelerator = accelerator
         self.train_records = train_records   # DAPO's dynamic sampling draws fresh prompts
         self.tokens_per_replay = 1.0
-        llm = config.llm
-        self.reward = TextRewards([{"name": c.name, "weight": c.weight, **c.options}
-                                   for c in config.rewards.components],
-                                  config.rewards.aggregation, overlong_buffer=llm.overlong_buffer,
-                                  overlong_penalty=llm.overlong_penalty,
-                                  max_new_tokens=llm.max_new_tokens)
+        self.reward = text_rewards(config)
         self.model = model if model is not None else self._load(config, accelerator.device)
         tokenizer = self.model.tokenizer
         tokenizer.padding_side = "left"
@@ -580,8 +491,8 @@ class LMPolicy:
                 began = time.perf_counter()
                 scores = self.reward([completions[r] for r in rows],
                                      [records[r]["prompt"] for r in rows],
-                                     [records[r]["metadata"] for r in rows],
-                                     torch.tensor([len(completion_ids[r]) for r in rows]))
+                                     with_token_counts([records[r]["metadata"] for r in rows],
+                                                       [completion_ids[r] for r in rows]))
                 reward_seconds += time.perf_counter() - began
                 index = torch.tensor(rows, dtype=torch.long)
                 for name, values in scores.items():
@@ -715,8 +626,8 @@ class LMPolicy:
                        for c in completion_ids[:real]]
         metadata = [records[i]["metadata"] for i in mine]
         lengths = torch.tensor([len(c) for c in completion_ids[:real]])
-        scores = self.reward(completions, [records[i]["prompt"] for i in mine], metadata,
-                             lengths) if real else {}
+        scores = self.reward(completions, [records[i]["prompt"] for i in mine],
+                             with_token_counts(metadata, completion_ids[:real])) if real else {}
         has_answers = any(r["metadata"].get("answer") is not None for r in records)
         correct = (ExactMatchReward()(completions, [records[i]["prompt"] for i in mine],
                                       metadata) if has_answers and real else None)
@@ -774,8 +685,9 @@ class LMPolicy:
         saved = [json.loads(base_path.read_text()),
                  json.loads((run_dir / "grid_final.json").read_text())]
         columns = [s["completions"] for s in saved]
-        scores = [self.reward(s["completions"], prompts, metadata, torch.tensor(s["lengths"]))["total"]
-                  for s in saved]
+        scores = [self.reward(s["completions"], prompts,
+                              [{**m, "completion_tokens": n} for m, n in zip(metadata, s["lengths"])]
+                              )["total"] for s in saved]
         lines = [f"| prompt | base | {final_label} |", "|---|---|---|"]
         for row, prompt in enumerate(prompts):
             cells = [f"`{columns[c][row]}` ({float(scores[c][row]):.2f})" for c in range(2)]

@@ -15,6 +15,7 @@ score is NaN or the sum is not finite. Scores of +-inf arrive here as NaN alread
 from __future__ import annotations
 
 import math
+from typing import Any, Callable
 
 import torch
 from torch import Tensor
@@ -33,13 +34,17 @@ class MultiReward:
     (the output key, default the name; needed when one reward appears twice)."""
 
     def __init__(self, specs: list[dict | str], aggregation: str = "weighted_sum", *,
-                 device: str | torch.device = "cpu", dtype: torch.dtype | str = torch.float32):
+                 device: str | torch.device = "cpu", dtype: torch.dtype | str = torch.float32,
+                 load: Callable[[dict | str], Any] | None = None):
+        """``load(spec)`` builds one reward (with a ``name``); default ``load_reward`` on
+        ``device`` / ``dtype`` (image and video rewards). Text rewards pass
+        ``reward_models.text.load_text_reward``."""
         if aggregation not in AGGREGATIONS:
             raise ValueError(f"aggregation must be one of {AGGREGATIONS} (got {aggregation!r})")
         if isinstance(specs, (str, dict)) or not specs:
             raise ValueError("MultiReward needs a non-empty list of reward specs")
         self.aggregation = aggregation
-        self.rewards: dict[str, ManagedReward] = {}
+        self.rewards: dict[str, ManagedReward | Any] = {}
         self._weights: dict[str, float] = {}
         for spec in specs:
             name, options = _split_spec(spec)
@@ -48,7 +53,7 @@ class MultiReward:
                     or not math.isfinite(weight):
                 raise ValueError(f"reward {name!r}: weight must be a finite number "
                                  f"(got {weight!r})")
-            reward = load_reward(spec, device=device, dtype=dtype)
+            reward = load_reward(spec, device=device, dtype=dtype) if load is None else load(spec)
             key = options.get("label", reward.name)
             if not isinstance(key, str) or not key or "." in key or key == TOTAL_KEY:
                 raise ValueError(f"reward key {key!r} must be a non-empty string without '.' "
@@ -74,9 +79,10 @@ class MultiReward:
     def name(self) -> str:
         return "+".join(self.rewards)
 
-    def __call__(self, media: Tensor, prompts: list[str],
+    def __call__(self, media: Tensor | list[str], prompts: list[str],
                  metadata: list[dict] | None = None) -> dict[str, Tensor]:
-        """Every reward's main score and components, and ``"total"``; each (B,) float32 CPU."""
+        """Every reward's main score and components, and ``"total"``; each (B,) float32 CPU.
+        ``media``: images / videos, or completions (strings) for text rewards."""
         out: dict[str, Tensor] = {}
         for key, reward in self.rewards.items():
             main, parts = score_with_components(reward, media, prompts, metadata)

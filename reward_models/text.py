@@ -10,9 +10,11 @@ named in a config by ``"package.module:Name"``. The built-ins below register by 
 - ``exact_match``: 1 when the completion's final answer equals ``metadata["answer"]``, else 0.
 - ``regex_format``: 1 when the completion matches a regular expression, else 0.
 - ``length``: -|length - target| / target, 0 at the target length.
+- ``overlong``: DAPO's soft overlong punishment from ``metadata["completion_tokens"]``.
 
-Image rewards take tensors; these take strings, so ``flowgrpo.llm.TextRewards`` (not
-``load_reward``, whose media check wants images) builds and calls them.
+Image rewards take tensors; these take strings, so ``load_text_reward`` (not ``load_reward``,
+whose media checks want images) builds them; ``reward_models.MultiReward(specs,
+load=load_text_reward)`` combines them like image rewards.
 """
 from __future__ import annotations
 
@@ -23,7 +25,8 @@ from decimal import Decimal, InvalidOperation
 import torch
 from torch import Tensor
 
-from .base import register_reward
+from .base import as_score_vector, register_reward, score_with_components
+from .loading import MULTI_REWARD_OPTIONS, _constructor_parameters, _split_spec, resolve_reward_class
 
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
 BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
@@ -169,3 +172,92 @@ class LengthReward:
         lengths = torch.tensor([len(c) if self.unit == "chars" else len(c.split())
                                 for c in completions], dtype=torch.float32)
         return -(lengths - self.target).abs() / self.target
+
+
+def overlong_penalty(lengths: Tensor, max_new_tokens: int, buffer: int, penalty: float) -> Tensor:
+    """DAPO's soft overlong punishment, (B,) float32 <= 0.
+
+    With L_exp = max_new_tokens - buffer: 0 for length <= L_exp, then falling linearly to
+    -penalty at length = max_new_tokens, -penalty beyond. ``buffer = 0`` disables it (zeros).
+
+    Args:
+        lengths: (B,) completion lengths in tokens.
+    """
+    if buffer < 0 or buffer > max_new_tokens:
+        raise ValueError(f"buffer must be in [0, max_new_tokens={max_new_tokens}] (got {buffer})")
+    if penalty < 0:
+        raise ValueError(f"penalty must be >= 0 (got {penalty})")
+    lengths = lengths.float()
+    if buffer == 0:
+        return torch.zeros_like(lengths)
+    expected = max_new_tokens - buffer
+    return (-(lengths - expected).clamp(min=0) / buffer).clamp(min=-1) * penalty
+
+
+@register_reward("overlong")
+class OverlongReward:
+    """``overlong_penalty`` of each completion's length in tokens, read from
+    ``metadata["completion_tokens"]`` (the LM policy adds it; a string has no token count)."""
+
+    name = "overlong"
+
+    def __init__(self, max_new_tokens: int, buffer: int, penalty: float = 1.0) -> None:
+        overlong_penalty(torch.zeros(1), max_new_tokens, buffer, penalty)   # checks the values
+        self.max_new_tokens, self.buffer, self.penalty = max_new_tokens, buffer, penalty
+
+    def __call__(self, completions: list[str], prompts: list[str],
+                 metadata: list[dict] | None = None) -> Tensor:
+        metadata = check_texts(completions, prompts, metadata, self.name)
+        if any("completion_tokens" not in m for m in metadata):
+            raise ValueError("reward 'overlong' needs metadata['completion_tokens'] (the length "
+                             "of each completion in tokens)")
+        lengths = torch.tensor([m["completion_tokens"] for m in metadata])
+        return overlong_penalty(lengths, self.max_new_tokens, self.buffer, self.penalty)
+
+
+class LoadedTextReward:
+    """A text reward as ``MultiReward`` holds it: a ``name``, scores (B,) float32 CPU with
+    +-inf as NaN (``as_score_vector``), and its named components when it has any."""
+
+    def __init__(self, inner, name: str) -> None:
+        self.inner = inner
+        self.name = name
+
+    def score_and_components(self, completions: list[str], prompts: list[str],
+                             metadata: list[dict] | None = None
+                             ) -> tuple[Tensor, dict[str, Tensor]]:
+        main, parts = score_with_components(self.inner, completions, prompts, metadata)
+        batch = len(completions)
+        return (as_score_vector(main, batch, self.name),
+                {k: as_score_vector(v, batch, f"{self.name}.{k}") for k, v in parts.items()})
+
+    def __call__(self, completions: list[str], prompts: list[str],
+                 metadata: list[dict] | None = None) -> Tensor:
+        return self.score_and_components(completions, prompts, metadata)[0]
+
+
+def load_text_reward(spec: str | dict) -> LoadedTextReward:
+    """A text reward from a spec: a registered name (the built-ins above), or
+    ``"package.module:Name"`` of a class (built with the spec's options, checked against its
+    signature) or of a function ``(completions, prompts, metadata) -> (B,)`` (no options).
+    Its name: the instance's ``name`` attribute, else the ``Name`` after the colon."""
+    name, options = _split_spec(spec)
+    for key in MULTI_REWARD_OPTIONS:
+        options.pop(key, None)
+    target = resolve_reward_class(name)
+    if isinstance(target, type):
+        params, takes_any = _constructor_parameters(target)
+        unknown = sorted(set(options) - set(params))
+        if unknown and not takes_any:
+            raise ValueError(f"reward {name!r} has no option {unknown[0]!r}; valid options: "
+                             f"{', '.join(params) or 'none'}")
+        reward = target(**options)
+    elif callable(target):
+        if options:
+            raise ValueError(f"reward {name!r} is a function and takes no options (got "
+                             f"{sorted(options)}); make it a class to configure it")
+        reward = target
+    else:
+        raise TypeError(f"reward {name!r} resolved to {type(target).__name__}, which is not "
+                        f"callable")
+    return LoadedTextReward(reward, getattr(reward, "name", None) or name.rsplit(":", 1)[-1])

@@ -9,16 +9,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from flowgrpo.config import ConfigError, load_config
-from flowgrpo.llm import (SeededSampler, TextRewards, build_char_tokenizer,
-                          generate_completions, overlong_penalty, pad_replay_inputs, token_logp,
-                          top_p_filter, validate_llm_config, zero_variance_groups)
+from flowgrpo.config import ConfigError, dump_config, load_config
+from flowgrpo.llm import (SeededSampler, build_char_tokenizer, generate_completions,
+                          pad_replay_inputs, text_rewards, token_logp, top_p_filter,
+                          validate_llm_config, zero_variance_groups)
 from flowgrpo.prompts import sample_groups
 from flowgrpo.seeding import seeded_generator
 from flowgrpo.trainer import Trainer
+from reward_models import MultiReward
 from reward_models.text import (ExactMatchReward, LengthReward, RegexFormatReward,
-                                extract_answer, normalize_answer)
+                                extract_answer, load_text_reward, normalize_answer,
+                                overlong_penalty)
 from tests.helpers import free_port
+
+ROOT = Path(__file__).resolve().parents[1]
 
 ALPHABET = "0123456789+-*= "
 ASSET = Path(__file__).resolve().parents[1] / "assets" / "lm"
@@ -259,11 +263,14 @@ def test_overlong_penalty_closed_form():
         overlong_penalty(lengths, 10, 11, 1.0)
 
 
-def test_overlong_is_its_own_component_for_gdpo():
-    rewards = TextRewards([{"name": "tests.test_llm:char_sum", "weight": 2.0}], "decoupled",
-                          overlong_buffer=2, overlong_penalty=1.0, max_new_tokens=4)
+def test_overlong_is_its_own_component_for_gdpo(tiny_lm_path, prompts_path, tmp_path):
+    config = llm_config(tiny_lm_path, prompts_path, tmp_path, "llm.max_new_tokens=4",
+                        "llm.overlong_buffer=2", "llm.overlong_penalty=1.0",
+                        "rewards.aggregation=decoupled",
+                        "rewards.components=[{name: 'tests.test_llm:char_sum', weight: 2.0}]")
+    rewards = text_rewards(config)
     assert rewards.weights == {"char_sum": 2.0, "overlong": 1.0}
-    out = rewards(["1", "22"], ["a", "b"], [{}, {}], torch.tensor([2, 4]))
+    out = rewards(["1", "22"], ["a", "b"], [{"completion_tokens": 2}, {"completion_tokens": 4}])
     torch.testing.assert_close(out["overlong"], torch.tensor([0.0, -1.0]))
     torch.testing.assert_close(out["total"], 2 * out["char_sum"] + out["overlong"])
 
@@ -338,6 +345,10 @@ def test_exact_match_and_format_and_length_rewards():
         [-1.0, -0.5, 0.0, -1.0]
     with pytest.raises(ValueError, match="prompts"):
         ExactMatchReward()(completions, prompts[:2], metadata)
+
+
+def TextRewards(specs):   # noqa: N802  (the text rewards as the LM policy builds them)
+    return MultiReward(specs, load=load_text_reward)
 
 
 def test_text_rewards_resolve_names_paths_and_check_options():
@@ -517,3 +528,24 @@ def test_grpo_raises_heldout_accuracy_of_the_pretrained_lm(tmp_path):
     history = Trainer(config).train()
     evals = [h["eval/accuracy"] for h in history if h["phase"] == "eval"]
     assert evals[-1] >= evals[0] + 0.08, evals
+
+
+def test_an_lm_run_loads_no_flow_code(tiny_lm_path, prompts_path, tmp_path):
+    """A whole LM iteration (policy, rewards, update, evaluation) in a fresh process imports
+    neither diffusers nor the flow adapters, rollout or toy world (the config may read the
+    family registry, pipelines/__init__.py, which imports none of them)."""
+    import subprocess
+    import sys
+
+    config = tmp_path / "llm.yaml"
+    dump_config(llm_config(tiny_lm_path, prompts_path, tmp_path,
+                           "rewards.components=[{name: exact_match}]"), config)
+    code = ("import sys; from flowgrpo.config import load_config; "
+            "from flowgrpo.trainer import Trainer; "
+            f"Trainer(load_config({str(config)!r})).train(); "
+            "print(sorted(m for m in ('diffusers', 'pipelines.base', 'flowgrpo.rollout', "
+            "'flowgrpo.flow_policy', 'flowgrpo.toyworld', 'open_clip') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300, cwd=str(ROOT))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"
