@@ -82,6 +82,9 @@ class FlowModel(Protocol):
     device: torch.device
     dtype: torch.dtype               # compute dtype of the transformer
 
+    # Optional: ``may_skip_parameters = True`` when a forward can leave trainable parameters
+    # unused (Wan2.2's experts): the trainer then has DDP look for unused parameters.
+
     def encode_prompts(self, prompts: list[str]) -> Conditioning:
         """Embeddings for ``prompts`` (and the negative prompt when CFG is possible); cached."""
 

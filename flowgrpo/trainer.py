@@ -149,6 +149,14 @@ class Trainer:
                                                            self.train_records, model=model)
             self.trainable = self.policy.trainable
             self.ema = EMA(self.trainable, t.ema.decay, t.ema.every) if t.ema.enabled else None
+            if getattr(getattr(self.policy, "model", None), "may_skip_parameters", False):
+                # Some forwards leave trainable parameters without a gradient (the other expert
+                # of Wan2.2): without this DDP stops at the second backward.
+                from accelerate.utils import DistributedDataParallelKwargs
+
+                handler = self.accelerator.ddp_handler or DistributedDataParallelKwargs()
+                handler.find_unused_parameters = True
+                self.accelerator.ddp_handler = handler
             self.engine_module, self.optimizer = self.accelerator.prepare(
                 self.policy.module, self._make_optimizer())
             self.policy.bind(self.engine_module, self.sharded)

@@ -360,6 +360,9 @@ class WanModel(DiffusersFlowModel):
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
         super().__init__(transformer, components, options, WAN_LORA_TARGET_MODULES, device, dtype)
         self.boundary_ratio = transformer.boundary_ratio if isinstance(transformer, WanExperts) else None
+        # Wan2.2: a replay batch runs one expert, so the other's parameters get no gradient in
+        # that backward (DDP must look for unused parameters; the trainer reads this).
+        self.may_skip_parameters = self.boundary_ratio is not None
         _check_wan22_options(options, self.boundary_ratio is not None)
         vae_config = self.vae.config
         self.height, self.width, self.num_frames = resolve_size(options)

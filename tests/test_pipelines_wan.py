@@ -525,8 +525,9 @@ def test_wan22_training_one_expert(tiny_wan22_dir, tmp_path):
 @pytest.mark.slow
 def test_wan22_ddp_two_processes_train_the_same_weights_as_one(tiny_wan22_dir, tmp_path):
     """Under DDP (gloo, 2 CPU processes) each replay batch runs one expert, so the other's LoRA
-    is unused in that forward: with training.ddp_find_unused_parameters the two processes end
-    with the weights of one process (~60 s)."""
+    is unused in that forward. The adapter says so (may_skip_parameters) and the trainer has DDP
+    look for unused parameters, with no config option: the two processes end with the weights
+    of one process (~60 s)."""
     from tests.test_multiprocess import assert_same_weights, final_weights, launch, train_config
 
     model = {"family": "wan", "path": tiny_wan22_dir, "options": dict(VIDEO_OPTIONS),
@@ -534,7 +535,7 @@ def test_wan22_ddp_two_processes_train_the_same_weights_as_one(tiny_wan22_dir, t
     for processes in (1, 2):
         folder = tmp_path / str(processes)
         folder.mkdir()
-        train_config(folder / "c.yaml", folder, "ddp22", model, ddp_find_unused_parameters=True)
+        train_config(folder / "c.yaml", folder, "ddp22", model)   # no DDP option: the model says
         record = launch(processes, folder / "c.yaml", folder / "out.json", "mp_train.py", "train")
         assert record["num_processes"] == processes
         assert record["first_pass_ratio_max_dev"] == [0.0, 0.0, 0.0]
