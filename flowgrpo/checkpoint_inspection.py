@@ -23,8 +23,6 @@ BASE = "base"
 
 # ================================================================================ checkpoints
 @dataclass
-
-
 class Checkpoint:
     """A column of a comparison: the base model or a trainer checkpoint.
 
@@ -179,12 +177,37 @@ def lora_mismatches(lora: dict[str, tuple[int, int]], base: dict[str, tuple[int,
     return problems
 
 
-def check_checkpoint(checkpoint: Checkpoint, family: str, model_path: str,
-                     base_shapes: dict[str, tuple[int, ...]] | None = None) -> None:
-    """Raise ValueError if ``checkpoint`` was trained on another family or does not fit the
-    transformer of ``model_path`` (LoRA modules/shapes, or full weights' names/shapes).
+def lora_parts(model) -> list[tuple[str, object]]:
+    """(LoRA file name, module it loads into) of each part of ``model`` a checkpoint carries:
+    the transformer, or what the adapter lists (``model.lora_parts()``; Wan2.2: one file per
+    expert)."""
+    own = getattr(model, "lora_parts", None)
+    return own() if callable(own) else [(LORA_WEIGHTS_NAME, model.transformer)]
 
-    ``base_shapes`` defaults to the local folder's transformer headers (skipped for hub ids)."""
+
+def present_lora_parts(model, checkpoint: Checkpoint) -> list[tuple[str, object]]:
+    """The ``lora_parts`` whose file the checkpoint holds (an expert that did not train has
+    none); the main one must be there (``resolve_checkpoint`` found the checkpoint by it)."""
+    parts = lora_parts(model)
+    return [parts[0]] + [(name, module) for name, module in parts[1:]
+                         if (checkpoint.path / name).is_file()]
+
+
+def full_parts(model) -> list[tuple[str, object, str]]:
+    """(checkpoint sub-folder, owner, attribute) of each module a full fine-tune replaces: the
+    transformer, or what the adapter lists (``model.full_parts()``)."""
+    own = getattr(model, "full_parts", None)
+    return own() if callable(own) else [("transformer", model, "transformer")]
+
+
+def check_checkpoint(checkpoint: Checkpoint, family: str, model_path: str,
+                     model=None) -> None:
+    """Raise ValueError if ``checkpoint`` was trained on another family or does not fit the
+    model (LoRA modules/shapes, or full weights' names/shapes).
+
+    Before the model loads (``model`` None) the checkpoint's main part is checked against the
+    local folder's transformer headers (skipped for hub ids); with the loaded ``model``, every
+    part against the module it goes into."""
     if checkpoint.kind == "base":
         return
     declared = declared_family(checkpoint.path)
@@ -192,40 +215,47 @@ def check_checkpoint(checkpoint: Checkpoint, family: str, model_path: str,
         raise ValueError(f"checkpoint {checkpoint.path} was trained on model family "
                          f"{declared[0]!r} (per {declared[1]}) but --model is {family!r}; pass the "
                          f"model it was trained on")
-    if base_shapes is None:
-        base_shapes = transformer_weight_shapes(model_path)
-    if base_shapes is None:
-        return
-    if checkpoint.kind == "lora":
-        lora = lora_module_shapes(checkpoint.path / LORA_WEIGHTS_NAME)
-        if not lora:
-            raise ValueError(f"checkpoint {checkpoint.path}: {LORA_WEIGHTS_NAME} holds no "
-                             f"transformer LoRA (keys 'transformer.<module>.lora_A/B.weight')")
-        problems = lora_mismatches(lora, base_shapes)
-        if problems:
-            raise ValueError(f"checkpoint {checkpoint.path} does not fit --model {family}:"
-                             f"{model_path}: {len(problems)} of {len(lora)} LoRA modules do not "
-                             f"match ({problems[0]}); was it trained on another model?")
+    if model is None:
+        shapes = transformer_weight_shapes(model_path)
+        if shapes is None:
+            return
+        parts = [(LORA_WEIGHTS_NAME if checkpoint.kind == "lora" else "transformer", shapes)]
+    elif checkpoint.kind == "lora":
+        parts = [(name, module_shapes(module)) for name, module in present_lora_parts(
+            model, checkpoint)]
     else:
-        files = sorted((checkpoint.path / "transformer").glob("*.safetensors"))
+        parts = [(folder, module_shapes(getattr(owner, attribute)))
+                 for folder, owner, attribute in full_parts(model)]
+    for name, base_shapes in parts:
+        if checkpoint.kind == "lora":
+            lora = lora_module_shapes(checkpoint.path / name)
+            if not lora:
+                raise ValueError(f"checkpoint {checkpoint.path}: {name} holds no transformer "
+                                 f"LoRA (keys 'transformer.<module>.lora_A/B.weight')")
+            problems = lora_mismatches(lora, base_shapes)
+            if problems:
+                raise ValueError(f"checkpoint {checkpoint.path} does not fit --model {family}:"
+                                 f"{model_path}: {len(problems)} of {len(lora)} LoRA modules of "
+                                 f"{name} do not match ({problems[0]}); was it trained on another "
+                                 f"model?")
+            continue
+        files = sorted((checkpoint.path / name).glob("*.safetensors"))
         if not files:
-            raise ValueError(f"checkpoint {checkpoint.path}/transformer has no .safetensors weights")
+            raise ValueError(f"checkpoint {checkpoint.path}/{name} has no .safetensors weights")
         full = safetensors_shapes(files)
         differ = sorted(k for k in set(full) | set(base_shapes) if full.get(k) != base_shapes.get(k))
         if differ:
             key = differ[0]
-            raise ValueError(f"checkpoint {checkpoint.path}/transformer does not fit --model "
+            raise ValueError(f"checkpoint {checkpoint.path}/{name} does not fit --model "
                              f"{family}:{model_path}: {len(differ)} parameters differ (e.g. {key}: "
                              f"{full.get(key)} vs {base_shapes.get(key)} in the model)")
 
 
-def model_shapes(model) -> dict[str, tuple[int, ...]]:
-    return {name: tuple(p.shape) for name, p in model.transformer.state_dict().items()}
+def module_shapes(module) -> dict[str, tuple[int, ...]]:
+    return {name: tuple(p.shape) for name, p in module.state_dict().items()}
 
 
 @contextmanager
-
-
 def checkpoint_applied(model, checkpoint: Checkpoint) -> Iterator[None]:
     """Within the block, ``model`` carries ``checkpoint``'s weights: a LoRA adapter loaded with
     diffusers' ``load_lora_adapter`` (deleted afterwards, leaving the exact base weights; a file
@@ -234,37 +264,44 @@ def checkpoint_applied(model, checkpoint: Checkpoint) -> Iterator[None]:
     if checkpoint.kind == "base":
         yield
         return
-    transformer = model.transformer
     if checkpoint.kind == "lora":
-        if not hasattr(transformer, "load_lora_adapter"):
-            raise TypeError(f"{type(transformer).__name__} has no load_lora_adapter; LoRA "
-                            f"checkpoints need a diffusers transformer")
         from safetensors.torch import load_file
 
-        state_dict = load_file(str(checkpoint.path / LORA_WEIGHTS_NAME))
         metadata = lora_metadata(checkpoint.path)
         if metadata is None:
             warnings.warn(f"checkpoint {checkpoint.path}: the LoRA file has no adapter metadata "
                           f"and no run config.yaml gives model.lora.rank/alpha; loading with "
                           f"alpha = rank", stacklevel=2)
-        transformer.load_lora_adapter(state_dict, prefix="transformer",
-                                      adapter_name=LORA_ADAPTER_NAME, metadata=metadata)
+        loaded = []
         try:
+            for name, module in present_lora_parts(model, checkpoint):
+                if not hasattr(module, "load_lora_adapter"):
+                    raise TypeError(f"{type(module).__name__} has no load_lora_adapter; LoRA "
+                                    f"checkpoints need a diffusers transformer")
+                module.load_lora_adapter(load_file(str(checkpoint.path / name)),
+                                         prefix="transformer", adapter_name=LORA_ADAPTER_NAME,
+                                         metadata=metadata)
+                loaded.append(module)
             yield
         finally:
-            transformer.delete_adapters(LORA_ADAPTER_NAME)
+            for module in loaded:
+                module.delete_adapters(LORA_ADAPTER_NAME)
         return
-    full = type(transformer).from_pretrained(str(checkpoint.path / "transformer"),
-                                             torch_dtype=model.dtype)
-    full.to(model.device).eval().requires_grad_(False)
     backend = getattr(getattr(model, "options", None), "attention_backend", None)
-    if backend:
-        from pipelines.base import apply_attention_backend
-
-        apply_attention_backend(full, backend)
-    model.transformer = full
+    swapped = []
     try:
+        for folder, owner, attribute in full_parts(model):
+            live = getattr(owner, attribute)
+            full = type(live).from_pretrained(str(checkpoint.path / folder),
+                                              torch_dtype=model.dtype)
+            full.to(model.device).eval().requires_grad_(False)
+            if backend:
+                from pipelines.base import apply_attention_backend
+
+                apply_attention_backend(full, backend)
+            setattr(owner, attribute, full)
+            swapped.append((owner, attribute, live))
         yield
     finally:
-        model.transformer = transformer
-        del full
+        for owner, attribute, live in reversed(swapped):
+            setattr(owner, attribute, live)

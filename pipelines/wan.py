@@ -527,6 +527,21 @@ class WanModel(DiffusersFlowModel):
         return (videos.float().permute(0, 2, 1, 3, 4) * 0.5 + 0.5).clamp(0.0, 1.0)
 
     # ---------------------------------------------------------------------------- LoRA
+    def lora_parts(self) -> list[tuple[str, torch.nn.Module]]:
+        """(LoRA file, module) per part a checkpoint carries (``flowgrpo sample/eval/grid``):
+        Wan2.2 has one file per expert (a checkpoint holds the files of the experts it trained)."""
+        if self.boundary_ratio is None:
+            return [(LORA_WEIGHTS_NAME, self.transformer)]
+        return [(LORA_WEIGHTS_NAME, self.transformer.transformer),
+                (LOW_NOISE_LORA_WEIGHTS_NAME, self.transformer.transformer_2)]
+
+    def full_parts(self) -> list[tuple[str, object, str]]:
+        """(checkpoint folder, owner, attribute) of the modules a full fine-tune replaces."""
+        if self.boundary_ratio is None:
+            return [("transformer", self, "transformer")]
+        return [("transformer", self.transformer, "transformer"),
+                ("transformer_2", self.transformer, "transformer_2")]
+
     def save_lora_weights(self, directory: str, transformer_lora_state_dict: dict[str, Tensor]) -> None:
         """Wan2.1: as every family (``pytorch_lora_weights.safetensors``). Wan2.2: one file per
         expert that has LoRA keys, ``pytorch_lora_weights.safetensors`` (high noise, loaded by

@@ -320,6 +320,36 @@ def test_wan22_lora_on_both_experts_loads_into_stock_pipeline(tiny_wan22_dir, tm
     torch.testing.assert_close(_wan22_stock(fresh, noise, 5.0), with_lora, atol=0, rtol=0)
 
 
+def test_wan22_checkpoint_applied_by_the_cli_loads_both_experts(tiny_wan22_dir, tmp_path):
+    """``flowgrpo sample / eval / grid`` apply a Wan2.2 LoRA checkpoint to both experts (one file
+    each), check each file against its expert, and leave the exact base weights afterwards."""
+    from peft import LoraConfig, get_peft_model_state_dict
+
+    from flowgrpo.checkpoint_inspection import (Checkpoint, check_checkpoint,
+                                                checkpoint_applied)
+
+    trained = load_model("wan", tiny_wan22_dir, options=VIDEO_OPTIONS)
+    trained.transformer.add_adapter(LoraConfig(r=4, lora_alpha=8, init_lora_weights="gaussian",
+                                               target_modules=trained.lora_target_modules))
+    perturb_lora(trained.transformer)
+    noise = trained.initial_noise(len(PROMPTS), torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        expected = _ode_latents(trained, noise, WAN22_STEPS, 5.0)
+    trained.save_lora_weights(str(tmp_path), get_peft_model_state_dict(trained.transformer))
+
+    base = load_model("wan", tiny_wan22_dir, options=VIDEO_OPTIONS)
+    checkpoint = Checkpoint("run@1", "lora", tmp_path)
+    check_checkpoint(checkpoint, "wan", tiny_wan22_dir, model=base)
+    with torch.no_grad():
+        before = _ode_latents(base, noise, WAN22_STEPS, 5.0)
+        with checkpoint_applied(base, checkpoint):
+            applied = _ode_latents(base, noise, WAN22_STEPS, 5.0)
+        after = _ode_latents(base, noise, WAN22_STEPS, 5.0)
+    torch.testing.assert_close(applied, expected, atol=1e-5, rtol=0)
+    assert (applied - before).abs().max() > 1e-3
+    torch.testing.assert_close(after, before, atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("train_experts, trained, frozen_sigma",
                          [("high", "transformer", 0.3), ("low", "transformer_2", 0.95)])
 def test_wan22_train_experts_selects_what_trains(tiny_wan22_dir, tmp_path, train_experts, trained, frozen_sigma):

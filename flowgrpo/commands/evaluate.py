@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from flowgrpo.checkpoint_inspection import (BASE, Checkpoint, check_checkpoint,
-                                            checkpoint_applied, model_shapes, resolve_checkpoint)
+                                            checkpoint_applied, resolve_checkpoint)
 from flowgrpo.commands.common import (check_model_path, check_positive, check_reward_names,
                                       check_writable_dir, default_sampling, generate, json_number,
                                       load_flow_model, parse_model, parse_options,
@@ -159,7 +159,7 @@ def run_eval(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     reward = MultiReward(specs, aggregation=aggregation, device=device)
     model = load_flow_model(family, path, dtype, device, options)
-    check_checkpoint(checkpoint, family, path, base_shapes=model_shapes(model))
+    check_checkpoint(checkpoint, family, path, model=model)
     steps, guidance = default_sampling(model, family, steps, guidance)
     if config is not None and per_prompt is not None:
         # pass@k: the distinct prompts of the config's evaluation, each K times.

@@ -6,7 +6,7 @@ import json
 import math
 from pathlib import Path
 
-from flowgrpo.checkpoint_inspection import (check_checkpoint, checkpoint_applied, model_shapes,
+from flowgrpo.checkpoint_inspection import (check_checkpoint, checkpoint_applied,
                                             resolve_checkpoint, unique_labels)
 from flowgrpo.commands.common import (IMAGE_SUFFIXES, check_model_path, check_positive,
                                       check_reward_names, check_writable_dir, default_sampling,
@@ -48,9 +48,8 @@ def run_grid(args: argparse.Namespace) -> int:
 
         reward = MultiReward(specs, device=device)
     model = load_flow_model(family, path, args.dtype, device, options)
-    shapes = model_shapes(model)
     for checkpoint in checkpoints:
-        check_checkpoint(checkpoint, family, path, base_shapes=shapes)
+        check_checkpoint(checkpoint, family, path, model=model)
     steps, guidance = default_sampling(model, family, args.steps, args.guidance)
     rows = [(record, seed) for record in records for seed in seeds]
     prompts = [record["prompt"] for record, _ in rows]

@@ -6,7 +6,7 @@ import json
 import math
 
 from flowgrpo.checkpoint_inspection import (BASE, Checkpoint, check_checkpoint,
-                                            checkpoint_applied, model_shapes, resolve_checkpoint)
+                                            checkpoint_applied, resolve_checkpoint)
 from flowgrpo.commands.common import (check_model_path, check_positive, check_writable_dir,
                                       default_sampling, generate, load_flow_model, parse_model,
                                       parse_options, parse_seeds, progress_bar, resolve_device,
@@ -31,7 +31,7 @@ def run_sample(args: argparse.Namespace) -> int:
     out = check_writable_dir(args.out, "--out")
 
     model = load_flow_model(family, path, args.dtype, resolve_device(args.device), options)
-    check_checkpoint(checkpoint, family, path, base_shapes=model_shapes(model))
+    check_checkpoint(checkpoint, family, path, model=model)
     steps, guidance = default_sampling(model, family, args.steps, args.guidance)
     rows = [(index, record, seed) for index, record in enumerate(records) for seed in seeds]
     prompts = [record["prompt"] for _, record, _ in rows]
