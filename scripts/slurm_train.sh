@@ -48,7 +48,8 @@ if [[ ! -f "$ACCELERATE_CONFIG" ]]; then
 fi
 GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 # The first host of the allocation runs rank 0 and the rendezvous.
-MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+# awk reads every line (head would exit first and, under pipefail, fail the job with SIGPIPE)
+MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | awk 'NR == 1')
 # A port derived from the job id: two jobs that share a node (without --exclusive) would
 # otherwise both bind the same fixed port.
 MASTER_PORT=${MASTER_PORT:-$((20000 + SLURM_JOB_ID % 20000))}
