@@ -27,6 +27,20 @@ SCALES = ("group", "batch", "none")
 DECOUPLED_MODES = ("gdpo", "sum_then_normalize")
 
 
+def mask_nonfinite(scores: Tensor) -> tuple[Tensor, int]:
+    """``scores`` with +-inf replaced by NaN ("no score") and how many were replaced.
+
+    The one rule for non-finite rewards: an infinite score is as unusable as a missing one (one
+    inf makes its group's mean and std inf, every advantage of the batch NaN, and the whole
+    update a no-op), so it is masked exactly like NaN: advantage 0, left out of every statistic
+    and counted in ``reward/nan_count``."""
+    infinite = torch.isinf(scores)
+    count = int(infinite.sum())
+    if count:
+        scores = torch.where(infinite, torch.full_like(scores, float("nan")), scores)
+    return scores, count
+
+
 def _check_common(group_ids: Tensor, batch: int, ddof: int, eps: float, clip: float | None) -> None:
     if group_ids.dim() != 1 or group_ids.shape[0] != batch:
         raise ValueError(f"group_ids must have shape ({batch},) like the rewards "

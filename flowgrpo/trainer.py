@@ -14,7 +14,6 @@ sample id), so a run gives the same batch on 1 or N processes and a resumed run 
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
@@ -27,15 +26,16 @@ import torch
 from torch import Tensor
 
 from flowgrpo import checkpoint as ckpt
-from flowgrpo.advantages import decoupled_advantages, group_advantages
-from flowgrpo.config import (ConfigError, InputError, TrainConfig, dump_config, json_roundtrip,
-                             redact, resume_signature, to_dict, validate)
+from flowgrpo.advantages import decoupled_advantages, group_advantages, mask_nonfinite
+from flowgrpo.config import (InputError, TrainConfig, dump_config, json_roundtrip, redact,
+                             resume_signature, to_dict, validate)
 from flowgrpo.ema import EMA
+from flowgrpo.engines import check_engine, engine_name, preflight_engine, replica_checksums
 from flowgrpo.policy import gather_rows, load_policy_class
 from flowgrpo.prompts import (PromptCurriculum, bucket_labels, comparison_prompts, load_prompts,
                               mixed_groups, sample_indices)
+from flowgrpo.run_log import append_record, keep_records, summary_line
 from flowgrpo.seeding import seeded_generator
-from reward_models.base import mask_nonfinite
 
 
 def scheduled_lr(lr: float, iteration: int, warmup: int, decay: str, final_ratio: float,
@@ -57,17 +57,6 @@ def window_lengths(max_count: int, per_step: int) -> list[int]:
     replay batches holds ``max_count`` of them and a step takes ``per_step``: the same list on every
     process, so every process joins every gradient all-reduce. Empty when nothing trains."""
     return [min(per_step, max_count - start) for start in range(0, max_count, per_step)]
-
-
-def replica_checksums(tensors: list[Tensor]) -> Tensor:
-    """(len(tensors), 2) float64: each tensor's sum and position-weighted sum. Equal rows on two
-    processes mean equal weights up to a coincidence no initialisation or update produces."""
-    rows = []
-    for tensor in tensors:
-        flat = tensor.detach().double().flatten()
-        positions = torch.arange(1, flat.numel() + 1, dtype=torch.float64, device=flat.device)
-        rows.append(torch.stack([flat.sum(), (flat * positions).sum() / max(flat.numel(), 1)]))
-    return torch.stack(rows) if rows else torch.zeros(0, 2, dtype=torch.float64)
 
 
 def _mean(values: list[float]) -> float:
@@ -649,12 +638,7 @@ class Trainer:
     def log(self, record: dict) -> None:
         self.history.append(record)
         if self.accelerator.is_main_process:
-            with open(self.run_dir / ckpt.METRICS, "a") as f:
-                f.write(json.dumps(record) + "\n")
-                # On disk before the run goes on: a crash loses at most the line being written
-                # (a torn last line, which the next start drops).
-                f.flush()
-                os.fsync(f.fileno())
+            append_record(self.run_dir / ckpt.METRICS, record)
             if self.tracker != "none":
                 scalars = {k: v for k, v in record.items()
                            if isinstance(v, (int, float)) and k != "iteration"}
@@ -689,7 +673,7 @@ class Trainer:
 
         def start() -> None:
             dump_config(cfg, self.run_dir / "config.yaml")
-            self._truncate_metrics(self.start_iteration)
+            keep_records(self.run_dir / ckpt.METRICS, self.start_iteration)
 
         self.main_only("writing the run folder", start)
         if self.tracker != "none":
@@ -730,130 +714,8 @@ class Trainer:
             self.print_summary(time.perf_counter() - began)
         return self.history
 
-    def _truncate_metrics(self, start: int) -> None:
-        """Keep the records up to iteration ``start`` (none for a new run): a resumed run
-        rewrites what came after its checkpoint, so the log has no duplicates. A line that is
-        not a JSON record (the torn last line of a killed run) is dropped with a warning. The
-        rewrite is atomic: a crash during it leaves the old log."""
-        path = self.run_dir / ckpt.METRICS
-        if not path.exists():
-            return
-        keep, torn = [], []
-        for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-                iteration = int(record["iteration"])
-            except (ValueError, KeyError, TypeError):
-                torn.append(number)
-                continue
-            if iteration <= start:
-                keep.append(line)
-        if torn:
-            warnings.warn(f"{path}: dropped {len(torn)} unreadable line(s) (line "
-                          f"{', '.join(map(str, torn))}; a run killed while writing leaves its "
-                          f"last line torn)", RuntimeWarning, stacklevel=2)
-        tmp = path.with_name(f"{ckpt.TMP_PREFIX}{path.name}")
-        with open(tmp, "w") as f:
-            f.write("".join(line + "\n" for line in keep) if start else "")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-
     def print_summary(self, seconds: float) -> None:
-        evals = [h for h in self.history if h["phase"] == "eval"]
-        trains = [h for h in self.history if h["phase"] == "train"]
-        parts = [f"{self.config.name}: {len(trains)} iterations in {seconds:.0f} s"]
-        if trains:
-            parts.append(f"train reward {trains[0].get('reward/total/mean', float('nan')):.3f} -> "
-                         f"{trains[-1].get('reward/total/mean', float('nan')):.3f}")
-        if len(evals) >= 1:
-            keys = [k for k in evals[-1] if k.startswith("eval/") and
-                    (k.count("/") == 1 or k.endswith("/family_mean"))]
-            for key in keys:
-                first = evals[0].get(key, float("nan"))
-                se = evals[-1].get(f"{key}/se")
-                parts.append(f"{key} {first:.3f} -> {evals[-1][key]:.3f}"
-                             + (f" (se {se:.3f})" if se is not None else ""))
-        for name in ("comparison.png", "comparison.md"):
-            if (self.run_dir / name).is_file():
-                parts.append(f"grid {self.run_dir / name}")
-        parts.append(f"outputs in {self.run_dir}")
-        print(" | ".join(parts), flush=True)
-
-
-# --------------------------------------------------------------------------- engines
-
-def engine_name(accelerator) -> str:
-    """'single' | 'ddp' | 'fsdp' | 'deepspeed' (other accelerate types by their lower-case name)."""
-    from accelerate.utils import DistributedType
-
-    kind = accelerator.distributed_type
-    if kind == DistributedType.FSDP:
-        return "fsdp"
-    if kind == DistributedType.DEEPSPEED:
-        return "deepspeed"
-    if accelerator.num_processes > 1:
-        return "ddp"
-    return "single"
-
-
-def preflight_engine(environ: dict[str, str] | None = None, cuda: bool | None = None) -> None:
-    """FSDP and DeepSpeed need GPUs (and DeepSpeed its package): say so in one clear error before
-    accelerate fails deep inside its setup. ``accelerate launch`` passes the engine in the
-    environment (ACCELERATE_USE_FSDP / ACCELERATE_USE_DEEPSPEED)."""
-    import os
-
-    environ = os.environ if environ is None else environ
-    cuda = torch.cuda.is_available() if cuda is None else cuda
-    for variable, engine in (("ACCELERATE_USE_FSDP", "FSDP"),
-                             ("ACCELERATE_USE_DEEPSPEED", "DeepSpeed")):
-        if environ.get(variable, "false").lower() not in ("true", "1"):
-            continue
-        if not cuda:
-            raise ConfigError(f"the accelerate config asks for {engine}, which needs CUDA GPUs, "
-                              f"and this machine has none: launch with configs/accelerate/ddp.yaml"
-                              f" (or without --config_file) to train on CPU processes")
-        if engine == "DeepSpeed":
-            try:
-                import deepspeed  # noqa: F401
-            except ImportError as err:
-                raise ConfigError("the accelerate config asks for DeepSpeed, which is not "
-                                  "installed: pip install deepspeed (on the GPU machine)") from err
-
-
-def check_engine(config: TrainConfig, accelerator) -> bool:
-    """What this trainer cannot do under the launched engine fails here, before any model loads
-    (not as a hang later). Returns whether parameters are sharded (FSDP, DeepSpeed ZeRO-3)."""
-    engine = engine_name(accelerator)
-    sharded = False
-    if engine == "fsdp":
-        sharded = True
-    elif engine == "deepspeed":
-        plugin = accelerator.state.deepspeed_plugin
-        sharded = int(plugin.zero_stage) == 3
-        config_dict = plugin.deepspeed_config
-        if str(config_dict.get("gradient_accumulation_steps", "auto")) not in ("auto", "1"):
-            raise ConfigError("the DeepSpeed config sets gradient_accumulation_steps; this trainer "
-                              "accumulates itself (training.gradient_accumulation_steps): set "
-                              "it to 1 or auto in the accelerate/DeepSpeed config")
-    if sharded:
-        t = config.training
-        if config.policy == "llm":
-            raise ConfigError(f"policy llm under {engine} with sharded parameters is not "
-                              f"supported (generation would need the full parameters on every "
-                              f"process): use DDP, or DeepSpeed ZeRO-2")
-        if t.ema.enabled:
-            raise ConfigError(f"training.ema is not supported under {engine} with sharded "
-                              f"parameters (each process holds a shard): set training.ema."
-                              f"enabled: false or use DDP / DeepSpeed ZeRO-2")
-        if t.kl_beta > 0 and not config.model.lora.enabled:
-            raise ConfigError(f"training.kl_beta > 0 with full fine-tuning keeps an unsharded "
-                              f"reference copy of the model on every process under {engine}: "
-                              f"use LoRA (the reference is the model without its adapter) or "
-                              f"kl_beta: 0")
-    return sharded
+        print(summary_line(self.config.name, self.history, seconds, self.run_dir), flush=True)
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict:

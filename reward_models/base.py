@@ -25,6 +25,8 @@ from typing import Callable, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
+from flowgrpo.advantages import mask_nonfinite
+
 
 @runtime_checkable
 class RewardModel(Protocol):
@@ -48,6 +50,7 @@ REGISTRY: dict[str, str] = {
     "temporal_consistency": "reward_models.temporal:TemporalConsistencyReward",
     "remote": "reward_models.remote:RemoteReward",
     "geneval_toy": "reward_models.geneval_toy:GenevalToyReward",
+    "toy_edit": "reward_models.toy_edit:ToyEditReward",
 }
 
 
@@ -83,20 +86,6 @@ def score_with_components(reward, media: Tensor, prompts: list[str],
                              f"{main_key!r} is not among its components {sorted(parts)}")
         return parts[main_key], parts
     return reward(media, prompts, metadata), parts
-
-
-def mask_nonfinite(scores: Tensor) -> tuple[Tensor, int]:
-    """``scores`` with +-inf replaced by NaN ("no score") and how many were replaced.
-
-    The one rule for non-finite rewards: an infinite score is as unusable as a missing one (one
-    inf makes its group's mean and std inf, every advantage of the batch NaN, and the whole
-    update a no-op), so it is masked exactly like NaN: advantage 0, left out of every statistic
-    and counted in ``reward/nan_count``."""
-    infinite = torch.isinf(scores)
-    count = int(infinite.sum())
-    if count:
-        scores = torch.where(infinite, torch.full_like(scores, float("nan")), scores)
-    return scores, count
 
 
 def as_score_vector(values, batch: int, reward_name: str) -> Tensor:

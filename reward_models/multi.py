@@ -20,7 +20,9 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from .base import mask_nonfinite, score_with_components
+from flowgrpo.advantages import mask_nonfinite
+
+from .base import score_with_components
 from .loading import ManagedReward, _split_spec, load_reward
 
 AGGREGATIONS = ("weighted_sum", "decoupled")

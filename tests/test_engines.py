@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from flowgrpo.config import ConfigError
-from flowgrpo.trainer import (NonFiniteGradientError, Trainer, check_engine, preflight_engine,
-                              replica_checksums, window_lengths)
+from flowgrpo.engines import check_engine, preflight_engine, replica_checksums
+from flowgrpo.trainer import NonFiniteGradientError, Trainer, window_lengths
 from tests.test_trainer import tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
