@@ -58,7 +58,7 @@ def make_batch(tokenizer, pairs: list[tuple[int, int]]) -> tuple[torch.Tensor, .
 
 def heldout_accuracy(model, tokenizer, pairs: list[tuple[int, int]]) -> float:
     """Greedy exact match with the trainer's own generation and reward code."""
-    from flowgrpo.llm import generate_completions
+    from flowgrpo.lm_sampling import generate_completions
     from reward_models.text import ExactMatchReward
 
     records = [record(a, b) for a, b in pairs]
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from flowgrpo.llm import build_char_tokenizer
+    from flowgrpo.lm_sampling import build_char_tokenizer
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)

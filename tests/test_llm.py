@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from flowgrpo.config import ConfigError, dump_config, load_config
-from flowgrpo.llm import (SeededSampler, build_char_tokenizer, generate_completions,
-                          pad_replay_inputs, text_rewards, token_logp, top_p_filter,
-                          validate_llm_config, zero_variance_groups)
+from flowgrpo.llm import text_rewards, validate_llm_config, zero_variance_groups
+from flowgrpo.lm_sampling import (SeededSampler, build_char_tokenizer, generate_completions,
+                                  pad_replay_inputs, token_logp, top_p_filter)
 from flowgrpo.prompts import sample_groups
 from flowgrpo.seeding import seeded_generator
 from flowgrpo.trainer import Trainer
