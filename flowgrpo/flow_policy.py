@@ -24,9 +24,9 @@ from flowgrpo.passk import family_mean_se, mean_and_se
 from flowgrpo.plans import make_plan
 from flowgrpo.policy import (Through, eval_share, float32_trainable, frozen_reference,
                              gather_rows, swapped_attribute)
-from flowgrpo.prompts import eval_selection
-from flowgrpo.rollout import (RolloutBatch, RolloutSettings, eval_noise, replay_logp, rollout,
-                              sample_ode)
+from flowgrpo.prompts import eval_selection, record_images, reward_metadata
+from flowgrpo.rollout import (RolloutBatch, RolloutSettings, encode_rows, eval_noise, replay_logp,
+                              rollout, sample_ode)
 from pipelines import load_model
 from reward_models import MultiReward
 
@@ -124,6 +124,8 @@ class FlowPolicy:
         batch is scored in a thread while the next one samples."""
         prompts = [r["prompt"] for r in records]
         metadata = [r["metadata"] for r in records]
+        images = record_images(records)
+        scored_metadata = reward_metadata(records)   # + "source_image" for editing rewards
         plans = {int(g): make_plan(self.config.sampling.plan, self.base_sigmas, iteration, int(g),
                                    self.config.run.seed) for g in group_ids.unique()}
         futures: list[tuple[Tensor, Future]] = []
@@ -133,7 +135,8 @@ class FlowPolicy:
         def score(rows: Tensor, media: Tensor) -> dict[str, Tensor]:
             began = time.perf_counter()
             picked = rows.tolist()    # iterating the tensor would make a 0-d tensor per row
-            out = self.reward(media, [prompts[i] for i in picked], [metadata[i] for i in picked])
+            out = self.reward(media, [prompts[i] for i in picked],
+                              [scored_metadata[i] for i in picked])
             reward_seconds.append(time.perf_counter() - began)
             return out
 
@@ -148,7 +151,7 @@ class FlowPolicy:
         began = time.perf_counter()
         with torch.no_grad(), self.accelerator.autocast():
             batch = rollout(self.model, prompts, metadata, group_ids, sample_ids, plans,
-                            self.settings(iteration), on_media=on_media)
+                            self.settings(iteration), on_media=on_media, images=images)
         rollout_seconds = time.perf_counter() - began
         began = time.perf_counter()
         rewards: dict[str, Tensor] = {}
@@ -188,13 +191,13 @@ class FlowPolicy:
         return raw
 
     def replay_condition(self, batch: RolloutBatch, replay):
-        """Prompt embeddings of a replay batch's rows; the batch's unique prompts are encoded once
-        per update and rows are picked from them. The rollout hands every step of a chunk the
+        """Prompt embeddings of a replay batch's rows; the batch's distinct rows (prompt, and
+        source image when editing: ``encode_rows``) are encoded once per update and rows are
+        picked from them. The rollout hands every step of a chunk the
         same ``rows`` tensor, so a selection is made once per chunk and reused for its steps."""
         if self._cond_batch is not batch:
-            unique = list(dict.fromkeys(batch.prompts))
-            self._cond_unique = self.model.encode_prompts(unique).to(self.model.device)
-            self._cond_index = torch.tensor([unique.index(p) for p in batch.prompts])
+            cond, self._cond_index = encode_rows(self.model, batch.prompts, batch.images)
+            self._cond_unique = cond.to(self.model.device)
             self._cond_batch = batch
             self._cond_by_rows = {}
         # Keyed by the tensor's id: the batch keeps every rows tensor alive, so an id cannot be
@@ -253,13 +256,16 @@ class FlowPolicy:
         indices = range(indices) if isinstance(indices, int) else indices
         return eval_noise(self.model, self.config.run.seed, indices)
 
-    def _sample(self, prompts: list[str], indices, batch_size: int | None = None) -> Tensor:
-        """Deterministic samples of ``prompts`` from the evaluation noise of ``indices``."""
+    def _sample(self, prompts: list[str], indices, batch_size: int | None = None,
+                images: list[Tensor] | None = None) -> Tensor:
+        """Deterministic samples of ``prompts`` (with their source ``images`` when editing) from
+        the evaluation noise of ``indices``."""
         s = self.config.sampling
         guidance = s.guidance_scale if s.eval_guidance_scale is None else s.eval_guidance_scale
         with torch.no_grad(), self.accelerator.autocast():
             return sample_ode(self.model, prompts, self.eval_noise(indices), s.eval_num_steps,
-                              guidance, **({"batch_size": batch_size} if batch_size else {}))
+                              guidance, **({"batch_size": batch_size} if batch_size else {}),
+                              images=images)
 
     def evaluate(self, records: list[dict], iteration: int, out_dir: Path | None
                  ) -> dict[str, float]:
@@ -276,10 +282,11 @@ class FlowPolicy:
             return {}
         indices, real = eval_share(len(records), acc.num_processes, acc.process_index)
         media = self._sample([records[i]["prompt"] for i in indices], indices,
-                             max(self.config.sampling.rollout_batch_size, 16))[:real]
+                             max(self.config.sampling.rollout_batch_size, 16),
+                             record_images([records[i] for i in indices]))[:real]
         mine = indices[:real]
         local = self.reward(media, [records[i]["prompt"] for i in mine],
-                            [records[i]["metadata"] for i in mine]) if real else {}
+                            reward_metadata([records[i] for i in mine])) if real else {}
         rows = gather_rows([{k: float(v[j]) for k, v in local.items()} for j in range(real)], acc)
         keep = [j for j, i in enumerate(mine) if i < 64]
         shown = gather_rows([media[j] for j in keep], acc)   # a collective: every process
@@ -317,7 +324,8 @@ class FlowPolicy:
         from safetensors.torch import save_file
 
         if records:
-            media = self._sample([r["prompt"] for r in records], range(len(records)))
+            media = self._sample([r["prompt"] for r in records], range(len(records)),
+                                 images=record_images(records))
             save_file({"media": media.contiguous()}, str(run_dir / f"grid_{tag}.safetensors"))
 
     def write_comparison_grid(self, records: list[dict], run_dir: Path, final_label: str
@@ -327,7 +335,7 @@ class FlowPolicy:
         whose scores are all 0 or 1) and the score of each reward."""
         from safetensors.torch import load_file
 
-        from flowgrpo.grids import cell_caption, image_grid, verdict_keys
+        from flowgrpo.grids import cell_caption, image_grid, verdict_keys, with_source_column
 
         base_path = run_dir / "grid_base.safetensors"
         if not base_path.is_file() or not records:
@@ -338,17 +346,23 @@ class FlowPolicy:
         if base.dim() != 4:
             return None   # video runs: use `flowgrpo grid` for MP4 grids
         prompts = [r["prompt"] for r in records]
-        metadata = [r["metadata"] for r in records]
+        metadata = reward_metadata(records)
         scores = [self.reward(m, prompts, metadata) for m in (base, final)]
         weights = self.reward.weights
         verdicts = verdict_keys(scores, weights)
         images = torch.stack([base, final], dim=1)
         labels = [[cell_caption(scores[c], weights, r, verdict=verdicts) for c in range(2)]
                   for r in range(len(records))]
+        columns = ["base", final_label]
+        sources = record_images(records)
+        if sources is not None:
+            # Editing: the source image is the first column, so each edit reads left to right.
+            images = with_source_column(images, sources)
+            labels = [["source"] + row for row in labels]
+            columns = ["source"] + columns
         rows = [f"{r['prompt']}\n({r['metadata']['family']})" if r["metadata"].get("family")
                 else r["prompt"] for r in records]
-        grid = image_grid(images, row_labels=rows, col_labels=["base", final_label],
-                          cell_labels=labels)
+        grid = image_grid(images, row_labels=rows, col_labels=columns, cell_labels=labels)
         path = run_dir / "comparison.png"
         grid.save(path)
         return path

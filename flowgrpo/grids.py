@@ -226,6 +226,20 @@ def _labelled_canvas(num_rows: int, num_cols: int, height: int, width: int,
     return canvas, layout
 
 
+def with_source_column(images: Tensor, sources: Sequence[Tensor]) -> Tensor:
+    """Editing grids: images (R, C, 3, H, W) -> (R, C + 1, 3, H, W) with row r's source image
+    (3, h, w) in [0, 1] as column 0, resized (bilinear) to H x W when its size differs."""
+    import torch.nn.functional as F
+
+    if len(sources) != images.shape[0]:
+        raise ValueError(f"sources ({len(sources)}) must give one image per row ({images.shape[0]})")
+    size = tuple(images.shape[-2:])
+    column = [s.float().cpu() if tuple(s.shape[-2:]) == size else
+              F.interpolate(s.float().cpu()[None], size=size, mode="bilinear",
+                            align_corners=False)[0].clamp(0, 1) for s in sources]
+    return torch.cat([torch.stack(column).unsqueeze(1).to(images), images], dim=1)
+
+
 def image_grid(images: Tensor, row_labels: Sequence[str] | None = None,
                col_labels: Sequence[str] | None = None,
                cell_labels: Sequence[Sequence[str | None]] | None = None, *,

@@ -84,9 +84,15 @@ class FlowModel(Protocol):
 
     # Optional: ``may_skip_parameters = True`` when a forward can leave trainable parameters
     # unused (Wan2.2's experts): the trainer then has DDP look for unused parameters.
+    # Optional: ``supports_images = True`` for an editing model (a source image per prompt);
+    # its ``encode_prompts(prompts, images=...)`` takes one float (3, H, W) in [0, 1] per prompt
+    # and puts the image's latents/tokens in the Conditioning's batched tensors (one row per
+    # prompt, in both branches), so ``select``, the rollout and the replay need nothing else.
+    # Not a protocol member, so text-to-image families need not declare it.
 
     def encode_prompts(self, prompts: list[str]) -> Conditioning:
-        """Embeddings for ``prompts`` (and the negative prompt when CFG is possible); cached."""
+        """Embeddings for ``prompts`` (and the negative prompt when CFG is possible); cached.
+        An editing model also takes ``images=`` (see ``supports_images`` above)."""
 
     def initial_noise(self, batch: int, generator: torch.Generator | None) -> Tensor:
         """Standard normal latents (batch, ...) in the layout the stock diffusers pipeline accepts

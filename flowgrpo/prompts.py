@@ -1,7 +1,10 @@
 """Prompt sources: the toy world's splits, a text file (one prompt a line) or JSONL.
 
 Every source yields ``{"prompt": str, "metadata": dict}`` records; rewards that verify structure
-(the toy verifier, OCR targets) read the metadata.
+(the toy verifier, OCR targets) read the metadata. An editing record also carries its source
+image: ``"image"``, a float32 tensor (3, H, W) in [0, 1] (``toy:edit_train``, or a JSONL line's
+``"image"``, a path relative to the JSONL file). ``record_images`` and ``reward_metadata`` hand
+it to the model and to the rewards (as ``metadata["source_image"]``).
 """
 from __future__ import annotations
 
@@ -18,7 +21,8 @@ from flowgrpo.seeding import seeded_generator
 
 PROMPT_SUFFIXES = (".txt", ".jsonl")
 _FORMATS = ("give a .txt file (one prompt a line), a .jsonl file (one {\"prompt\": \"...\", "
-            "\"metadata\": {...}} object a line) or toy:train / toy:heldout")
+            "\"metadata\": {...}} object a line, with \"image\": \"path\" for editing) or "
+            "toy:train / toy:heldout / toy:edit_train / toy:edit_heldout")
 
 
 def load_prompts(source: str) -> list[dict]:
@@ -29,9 +33,11 @@ def load_prompts(source: str) -> list[dict]:
     from flowgrpo.config import InputError
 
     if source.startswith("toy:"):
+        from flowgrpo.toyworld.editing import EDIT_SPLITS, edit_split
         from flowgrpo.toyworld.grammar import prompt_split
 
-        records = prompt_split(source.split(":", 1)[1])
+        split = source.split(":", 1)[1]
+        records = edit_split(split) if split in EDIT_SPLITS else prompt_split(split)
     else:
         path = Path(source)
         suffix = path.suffix.lower()
@@ -42,7 +48,7 @@ def load_prompts(source: str) -> list[dict]:
             raise InputError(f"prompt file {source} does not exist ({_FORMATS})")
         lines = path.read_text().splitlines()
         if suffix == ".jsonl":
-            records = [_jsonl_record(line, f"{source}:{number}")
+            records = [_jsonl_record(line, f"{source}:{number}", path.parent)
                        for number, line in enumerate(lines, 1) if line.strip()]
         else:
             records = [{"prompt": line.strip(), "metadata": {}} for line in lines if line.strip()]
@@ -51,8 +57,9 @@ def load_prompts(source: str) -> list[dict]:
     return records
 
 
-def _jsonl_record(line: str, where: str) -> dict:
-    """One JSONL line as a record; InputError naming ``file:line`` and what is wrong."""
+def _jsonl_record(line: str, where: str, folder: Path | None = None) -> dict:
+    """One JSONL line as a record; InputError naming ``file:line`` and what is wrong. An
+    ``"image"`` path (relative to ``folder``, the JSONL file's) is loaded as (3, H, W) float32."""
     from flowgrpo.config import InputError
 
     try:
@@ -73,7 +80,54 @@ def _jsonl_record(line: str, where: str) -> dict:
     if not isinstance(metadata, dict):
         raise InputError(f"{where}: \"metadata\" must be a JSON object (got a JSON "
                          f"{_json_kind(metadata)})")
-    return {"prompt": prompt, "metadata": metadata}
+    if "image" not in item:
+        return {"prompt": prompt, "metadata": metadata}
+    image = item["image"]
+    if not isinstance(image, str) or not image.strip():
+        raise InputError(f"{where}: \"image\" must be a path string relative to the JSONL file "
+                         f"(got a JSON {_json_kind(image)})")
+    return {"prompt": prompt, "metadata": metadata,
+            "image": load_image(Path(folder or ".") / image, where)}
+
+
+def load_image(path: Path, where: str = "") -> Tensor:
+    """An image file as float32 (3, H, W) in [0, 1] (RGB; alpha dropped, grey expanded)."""
+    from PIL import Image
+
+    import numpy as np
+
+    from flowgrpo.config import InputError
+    from flowgrpo.pixels import from_uint8
+
+    if not path.is_file():
+        raise InputError(f"{where}: image {path} does not exist; \"image\" is a path relative to "
+                         f"the JSONL file")
+    try:
+        with Image.open(path) as handle:
+            pixels = np.asarray(handle.convert("RGB"))
+    except OSError as err:
+        raise InputError(f"{where}: image {path} cannot be read ({err}); give a PNG or JPEG") from None
+    return from_uint8(pixels)
+
+
+def record_images(records: list[dict]) -> list[Tensor] | None:
+    """The records' source images (one (3, H, W) tensor per record), or None when no record has
+    one (text-to-image). Raises ValueError when only some records have one."""
+    images = [record.get("image") for record in records]
+    if all(image is None for image in images):
+        return None
+    if any(image is None for image in images):
+        missing = next(r["prompt"] for r, i in zip(records, images) if i is None)
+        raise ValueError(f"some prompt records have a source \"image\" and some do not (e.g. "
+                         f"{missing!r}); an editing prompt file must give every record an image")
+    return images
+
+
+def reward_metadata(records: list[dict]) -> list[dict]:
+    """The metadata the rewards see: each record's, plus ``"source_image"`` (3, H, W) when the
+    record has a source image (an editing reward compares the output with it)."""
+    return [{**record["metadata"], "source_image": record["image"]} if record.get("image") is not None
+            else record["metadata"] for record in records]
 
 
 def _json_kind(value: object) -> str:

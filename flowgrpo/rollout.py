@@ -58,6 +58,7 @@ class RolloutBatch:
     media: Tensor                      # (B, 3, H, W) or (B, F, 3, H, W) float32 in [0, 1], CPU
     replay: list[ReplayBatch] = field(default_factory=list)
     nfe: int = 0                       # transformer calls per sample, summed over the batch / B
+    images: list[Tensor] | None = None  # B source images (3, H, W) of an editing run, else None
 
     @property
     def trained_transitions(self) -> int:
@@ -73,6 +74,32 @@ class RolloutSettings:
     share_initial_noise: bool
     seed: int
     iteration: int
+
+
+def encode_rows(model: FlowModel, prompts: list[str], images: list[Tensor] | None = None
+                ) -> tuple[Conditioning, Tensor]:
+    """(Conditioning of the distinct rows, (B,) index of each row in it). A row is its prompt, and
+    with ``images`` (one source image (3, H, W) per row, for an editing model) its prompt and
+    image: the rows of a group share one record, so one image object, and are encoded once."""
+    if images is None:
+        keys: list = list(prompts)
+    else:
+        if len(images) != len(prompts):
+            raise ValueError(f"images ({len(images)}) must give one source image per prompt "
+                             f"({len(prompts)})")
+        if not getattr(model, "supports_images", False):
+            raise ValueError(f"the prompts carry source images but the {model.family} model does "
+                             f"not edit images; use an editing model (e.g. toy: assets/toy_edit) "
+                             f"or prompts without \"image\"")
+        keys = [(prompt, id(image)) for prompt, image in zip(prompts, images)]
+    unique = list(dict.fromkeys(keys))
+    position = {key: i for i, key in enumerate(unique)}
+    first = [keys.index(key) for key in unique]
+    if images is None:
+        cond = model.encode_prompts([prompts[i] for i in first])
+    else:
+        cond = model.encode_prompts([prompts[i] for i in first], images=[images[i] for i in first])
+    return cond, torch.tensor([position[key] for key in keys])
 
 
 def initial_noise(model: FlowModel, group_ids: Tensor, sample_ids: Tensor, settings: RolloutSettings
@@ -165,7 +192,8 @@ def run_plan(model: FlowModel, plan: StepPlan, latents: Tensor, cond: Conditioni
 
 def rollout(model: FlowModel, prompts: list[str], metadata: list[dict], group_ids: Tensor,
             sample_ids: Tensor, plans: dict[int, StepPlan], settings: RolloutSettings,
-            on_media: Callable[[Tensor, Tensor], None] | None = None) -> RolloutBatch:
+            on_media: Callable[[Tensor, Tensor], None] | None = None,
+            images: list[Tensor] | None = None) -> RolloutBatch:
     """Roll out the local batch.
 
     prompts/metadata: B entries; group_ids/sample_ids: (B,) int64; plans: group id -> StepPlan.
@@ -173,12 +201,11 @@ def rollout(model: FlowModel, prompts: list[str], metadata: list[dict], group_id
     replay batches of ``settings.batch_size`` rows. A deterministic prefix that the whole group
     shares (branch / one-step plans with shared noise) is computed once per group and expanded.
     ``on_media(rows, media)`` is called as each replay batch is decoded (the trainer scores it in a
-    thread while the next batch rolls out).
+    thread while the next batch rolls out). ``images``: B source images (3, H, W) for an editing
+    model (``encode_rows``), kept in the batch for the replays.
     """
     batch = len(prompts)
-    unique_prompts = list(dict.fromkeys(prompts))
-    cond_unique = model.encode_prompts(unique_prompts)
-    prompt_index = torch.tensor([unique_prompts.index(p) for p in prompts])
+    cond_unique, prompt_index = encode_rows(model, prompts, images)
     noise = initial_noise(model, group_ids, sample_ids, settings)
 
     buckets: dict[tuple, list[int]] = {}
@@ -220,7 +247,7 @@ def rollout(model: FlowModel, prompts: list[str], metadata: list[dict], group_id
         all_media[rows] = media
     return RolloutBatch(prompts=list(prompts), metadata=list(metadata), group_ids=group_ids,
                         sample_ids=sample_ids, media=all_media, replay=replay,
-                        nfe=calls // max(batch, 1))
+                        nfe=calls // max(batch, 1), images=None if images is None else list(images))
 
 
 def replay_logp(model: FlowModel, replay: ReplayBatch, cond: Conditioning, settings: RolloutSettings
@@ -244,12 +271,16 @@ def eval_noise(model: FlowModel, seed: int, indices: Sequence[int]) -> Tensor:
 
 @torch.no_grad()
 def sample_ode(model: FlowModel, prompts: list[str], noise: Tensor, num_steps: int,
-               guidance_scale: float, batch_size: int = 16) -> Tensor:
-    """Deterministic (Euler) samples for evaluation and grids: noise (B, ...) -> media (B, ...)."""
+               guidance_scale: float, batch_size: int = 16,
+               images: list[Tensor] | None = None) -> Tensor:
+    """Deterministic (Euler) samples for evaluation and grids: noise (B, ...) -> media (B, ...).
+    ``images``: B source images (3, H, W) for an editing model."""
     sigmas = model.sigmas(num_steps)
     out = []
     for start in range(0, len(prompts), batch_size):
-        cond = model.encode_prompts(prompts[start:start + batch_size]).to(model.device)
+        chunk = prompts[start:start + batch_size]
+        cond = (model.encode_prompts(chunk) if images is None else model.encode_prompts(
+            chunk, images=images[start:start + batch_size])).to(model.device)
         x = noise[start:start + batch_size].to(model.device, torch.float32)
         b = x.shape[0]
         for i in range(num_steps):

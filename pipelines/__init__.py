@@ -17,6 +17,7 @@ from flowgrpo.model import Conditioning, FlowModel
 MODEL_FAMILIES: dict[str, str] = {
     "sd3": "pipelines.sd3:SD3Model",
     "flux": "pipelines.flux:FluxModel",
+    "flux_kontext": "pipelines.flux_kontext:FluxKontextModel",
     "wan": "pipelines.wan:WanModel",
     "qwen_image": "pipelines.qwen_image:QwenImageModel",
     "toy": "pipelines.toy:ToyFlowModel",
@@ -26,6 +27,7 @@ MODEL_FAMILIES: dict[str, str] = {
 MODEL_OPTIONS: dict[str, str] = {
     "sd3": "pipelines.sd3:SD3Options",
     "flux": "pipelines.flux:FluxOptions",
+    "flux_kontext": "pipelines.flux:FluxOptions",
     "wan": "pipelines.wan:WanOptions",
     "qwen_image": "pipelines.qwen_image:QwenImageOptions",
     "toy": "pipelines.toy:ToyOptions",

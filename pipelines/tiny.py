@@ -373,8 +373,18 @@ def build_tiny_qwen_image():
                              tokenizer=tokenizer, transformer=transformer)
 
 
+def build_tiny_flux_kontext():
+    """FluxKontextPipeline with the tiny FLUX.1 components (Kontext has FLUX.1-dev's layout)."""
+    from diffusers import FluxKontextPipeline
+
+    flux = build_tiny_flux()
+    return FluxKontextPipeline(**{k: v for k, v in flux.components.items()
+                                  if k not in ("image_encoder", "feature_extractor")})
+
+
 _BUILDERS = {"sd3": build_tiny_sd3, "flux": build_tiny_flux, "wan": build_tiny_wan,
-             "wan22": build_tiny_wan22, "qwen_image": build_tiny_qwen_image}
+             "wan22": build_tiny_wan22, "qwen_image": build_tiny_qwen_image,
+             "flux_kontext": build_tiny_flux_kontext}
 
 
 def build_tiny(family: str, seed: int = 0, transformer_size: tuple[int, int] | None = None):

@@ -12,9 +12,16 @@ subfolder of one directory (the layout of a diffusers pipeline folder)::
 Latents are pixels in [-1, 1], shape (B, 3, 24, 24); ``decode`` maps them to [0, 1]. The
 transformer sees timestep = 1000 * sigma (as SD3). Pretraining dropped 10% of captions to the
 empty prompt, so classifier-free guidance uses the empty prompt as the negative.
+
+An *editing* toy model (``to_editing_model``, ``assets/toy_edit``) is the same transformer with 6
+input channels: the noisy pixels and the source image's pixels in [-1, 1], concatenated on the
+channel axis (InstructPix2Pix's conditioning; the transformer still predicts 3 channels). Its
+``encode_prompts(prompts, images)`` puts the source pixels in the Conditioning as
+``source_latents`` (B, 3, 24, 24), one row per prompt, so selecting rows needs nothing new.
 """
 from __future__ import annotations
 
+import copy
 import json
 import os
 from dataclasses import asdict, dataclass, field, fields
@@ -238,13 +245,38 @@ class ToyFlowModel:
         return {"prompt_embeds": torch.stack([self._cache[p][0] for p in prompts]),
                 "pooled_prompt_embeds": torch.stack([self._cache[p][1] for p in prompts])}
 
-    def encode_prompts(self, prompts: list[str]) -> Conditioning:
+    @property
+    def supports_images(self) -> bool:
+        """True for an editing model (source pixels as extra input channels)."""
+        config = self.transformer.config
+        return int(config.in_channels) == 2 * int(config.out_channels)
+
+    def encode_prompts(self, prompts: list[str], images: list[Tensor] | None = None) -> Conditioning:
         """Per-token states (B, L, D) and pooled projections (B, P); the negative is the empty
-        prompt (``options.negative_prompt``), broadcast to B rows. Cached per prompt string."""
+        prompt (``options.negative_prompt``), broadcast to B rows. Cached per prompt string.
+
+        images: an editing model's source images, one (3, H, W) float in [0, 1] per prompt;
+        stored as ``source_latents`` (B, 3, H, W) in [-1, 1] in both branches (the negative
+        drops the instruction, not the image, as InstructPix2Pix's text guidance)."""
         if isinstance(prompts, str):
             raise TypeError("prompts must be a list of strings (got a single str); wrap it in a list")
         positive = self._encode_cached(list(prompts))
         negative = self._encode_cached([self.options.negative_prompt] * len(prompts))
+        if self.supports_images:
+            if images is None or len(images) != len(prompts) or any(i is None for i in images):
+                raise ValueError("this toy model edits images: give one source image per prompt "
+                                 "(prompt records with an \"image\", e.g. toy:edit_train)")
+            size = (3, self.sample_size, self.sample_size)
+            bad = [tuple(i.shape) for i in images if tuple(i.shape) != size]
+            if bad:
+                raise ValueError(f"images must be {size} floats in [0, 1] (got {bad[0]})")
+            source = torch.stack([i.to(self.device, torch.float32) for i in images])
+            positive["source_latents"] = negative["source_latents"] = \
+                (2.0 * source - 1.0).to(self.dtype)
+        elif images is not None and any(i is not None for i in images):
+            raise ValueError("this toy model is text-to-image and cannot take source images; use "
+                             "an editing model (model.path: assets/toy_edit) or prompts without "
+                             "\"image\"")
         return Conditioning(positive=positive, negative=negative)
 
     def initial_noise(self, batch: int, generator: torch.Generator | None) -> Tensor:
@@ -277,10 +309,18 @@ class ToyFlowModel:
         use_cfg = guidance_scale > 1.0 and cond.negative is not None
         x = latents.to(self.device, self.dtype)
         timestep = (1000.0 * sigma).to(self.device, self.dtype)
-        positive = {k: cond.positive[k].to(self.device, self.dtype)
-                    for k in ("prompt_embeds", "pooled_prompt_embeds")}
+        keys = ("prompt_embeds", "pooled_prompt_embeds")
+        if self.supports_images:
+            if "source_latents" not in cond.positive:
+                raise ValueError("this toy model edits images: encode the prompts with their "
+                                 "source images (encode_prompts(prompts, images=...))")
+            keys += ("source_latents",)
+        positive = {k: cond.positive[k].to(self.device, self.dtype) for k in keys}
 
         def forward(x: Tensor, timestep: Tensor, text: dict[str, Tensor]) -> Tensor:
+            if "source_latents" in text:
+                # InstructPix2Pix: the source pixels ride along as extra input channels.
+                x = torch.cat([x, text["source_latents"].to(x)], dim=1)
             return self.transformer(hidden_states=x, encoder_hidden_states=text["prompt_embeds"],
                                     pooled_projections=text["pooled_prompt_embeds"],
                                     timestep=timestep, return_dict=False)[0].float()
@@ -291,3 +331,36 @@ class ToyFlowModel:
     def decode(self, latents: Tensor) -> Tensor:
         """Images (B, 3, H, W) float32 in [0, 1]: (x + 1) / 2, clamped."""
         return ((latents.float() + 1.0) / 2.0).clamp(0.0, 1.0)
+
+
+def to_editing_model(model: ToyFlowModel, extra_words: tuple[str, ...] | None = None) -> ToyFlowModel:
+    """An editing toy model made from a text-to-image one (what ``scripts/pretrain_toy_edit.py``
+    fine-tunes): the transformer's patch embedding takes 3 more input channels (the source image)
+    with zero weights, so before training it draws exactly what the base draws; the tokenizer
+    gains ``extra_words`` (default: the editing instructions' words) at the end of its
+    vocabulary, so existing ids keep their embeddings and the new rows start random."""
+    from diffusers import SD3Transformer2DModel
+
+    from flowgrpo.toyworld.editing import EDIT_WORDS
+
+    if model.supports_images:
+        raise ValueError("model already edits images (its transformer has 6 input channels)")
+    extra_words = EDIT_WORDS if extra_words is None else extra_words
+    config = dict(model.transformer.config)
+    channels = int(config["in_channels"])
+    config.update(in_channels=2 * channels, out_channels=channels)
+    config = {k: v for k, v in config.items() if not k.startswith("_")}
+    transformer = SD3Transformer2DModel(**config).to(model.device, model.dtype)
+    state = model.transformer.state_dict()
+    weight = state["pos_embed.proj.weight"]                       # (D, C, p, p)
+    state["pos_embed.proj.weight"] = torch.cat([weight, torch.zeros_like(weight)], dim=1)
+    transformer.load_state_dict(state)
+    vocabulary = [t for t, _ in sorted(model.tokenizer.get_vocab().items(), key=lambda kv: kv[1])]
+    words = tuple(t for t in vocabulary if t not in SPECIAL_TOKENS)
+    words += tuple(w for w in extra_words if w not in words)
+    tokenizer = build_tokenizer(words, max_length=model.tokenizer.model_max_length)
+    text_encoder = copy.deepcopy(model.text_encoder)
+    text_encoder.resize_token_embeddings(len(tokenizer))
+    transformer.eval().requires_grad_(False)
+    return ToyFlowModel(transformer, text_encoder, tokenizer, copy.deepcopy(model.defaults),
+                        copy.deepcopy(model.options))

@@ -18,7 +18,7 @@ if TYPE_CHECKING:       # torch is imported where it is used, so `flowgrpo --hel
 # embedding 3.5) and Wan2.1's stock pipeline (50 steps, CFG 5). The toy model reads its own
 # defaults (``toy_config.json``).
 SAMPLING_DEFAULTS: dict[str, tuple[int, float]] = {"sd3": (40, 4.5), "flux": (28, 3.5),
-                                                   "wan": (50, 5.0)}
+                                                   "flux_kontext": (28, 3.5), "wan": (50, 5.0)}
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
 
 
@@ -190,9 +190,10 @@ def seed_noise(model, seeds: list[int]) -> Tensor:
 
 
 def generate(model, prompts: list[str], noise: Tensor, num_steps: int, guidance_scale: float,
-             batch_size: int, progress=None) -> Tensor:
+             batch_size: int, progress=None, images: list[Tensor] | None = None) -> Tensor:
     """Deterministic samples (B, ...) for prompts (B) from noise (B, ...), ``batch_size`` at a
-    time (``sample_ode`` on each chunk; ``progress.update(1)`` per chunk)."""
+    time (``sample_ode`` on each chunk; ``progress.update(1)`` per chunk). ``images``: B source
+    images (3, H, W) for an editing model."""
     import torch
 
     from flowgrpo.rollout import sample_ode
@@ -201,7 +202,8 @@ def generate(model, prompts: list[str], noise: Tensor, num_steps: int, guidance_
     for start in range(0, len(prompts), batch_size):
         chunks.append(sample_ode(model, prompts[start:start + batch_size],
                                  noise[start:start + batch_size], num_steps, guidance_scale,
-                                 batch_size=batch_size))
+                                 batch_size=batch_size,
+                                 images=None if images is None else images[start:start + batch_size]))
         if progress is not None:
             progress.update(1)
     return torch.cat(chunks)

@@ -182,10 +182,13 @@ def run_eval(args: argparse.Namespace) -> int:
         rows = [(record, None) for record in selection]
         noise = eval_noise(model, config.run.seed, range(len(rows)))
     prompts = [record["prompt"] for record, _ in rows]
-    metadata = [record["metadata"] for record, _ in rows]
+    from flowgrpo.prompts import record_images, reward_metadata
+
+    metadata = reward_metadata([record for record, _ in rows])   # + "source_image" when editing
     bar = progress_bar(math.ceil(len(rows) / batch_size), "eval", args.quiet)
     with checkpoint_applied(model, checkpoint):
-        media = generate(model, prompts, noise, steps, guidance, batch_size, bar)
+        media = generate(model, prompts, noise, steps, guidance, batch_size, bar,
+                         images=record_images([record for record, _ in rows]))
     bar.close()
     scores = reward(media, prompts, metadata)
     families = [m.get("family") if isinstance(m, dict) else None for m in metadata]

@@ -20,7 +20,8 @@ def run_grid(args: argparse.Namespace) -> int:
     import torch
 
     from flowgrpo.grids import (cell_caption, page_paths, paginate, render_image_grid,
-                                render_video_grid, save_video, verdict_keys)
+                                render_video_grid, save_video, verdict_keys, with_source_column)
+    from flowgrpo.prompts import record_images, reward_metadata
 
     family, path = parse_model(args.model)
     records = resolve_prompts(args.prompts)
@@ -53,7 +54,8 @@ def run_grid(args: argparse.Namespace) -> int:
     steps, guidance = default_sampling(model, family, args.steps, args.guidance)
     rows = [(record, seed) for record in records for seed in seeds]
     prompts = [record["prompt"] for record, _ in rows]
-    metadata = [record["metadata"] for record, _ in rows]
+    metadata = reward_metadata([record for record, _ in rows])   # + "source_image" when editing
+    sources = record_images([record for record, _ in rows])
     noise = seed_noise(model, [seed for _, seed in rows])
 
     bar = progress_bar(len(checkpoints) * math.ceil(len(rows) / args.batch_size), "grid", args.quiet)
@@ -61,19 +63,24 @@ def run_grid(args: argparse.Namespace) -> int:
     for checkpoint in checkpoints:
         bar.set_postfix_str(checkpoint.label)
         with checkpoint_applied(model, checkpoint):
-            media = generate(model, prompts, noise, steps, guidance, args.batch_size, bar)
+            media = generate(model, prompts, noise, steps, guidance, args.batch_size, bar,
+                             images=sources)
         columns.append(media)
         scores.append(reward(media, prompts, metadata) if reward is not None else None)
     bar.close()
     media = torch.stack(columns, dim=1)                  # (R, C, ...)
+    lead = 0
+    if sources is not None and media.dim() == 5:
+        # Editing: the source image is column 0, so each row reads source -> edits.
+        media, lead = with_source_column(media, sources), 1
 
     row_labels = [f"{record['prompt']}\nseed {seed}" for record, seed in rows]
-    col_labels = [checkpoint.label for checkpoint in checkpoints]
+    col_labels = ["source"] * lead + [checkpoint.label for checkpoint in checkpoints]
     cell_labels = None
     if reward is not None:
         verdicts = verdict_keys(scores, reward.weights)
-        cell_labels = [[cell_caption(scores[c], reward.weights, r, verdict=verdicts)
-                        for c in range(len(checkpoints))] for r in range(len(rows))]
+        cell_labels = [[""] * lead + [cell_caption(scores[c], reward.weights, r, verdict=verdicts)
+                                      for c in range(len(checkpoints))] for r in range(len(rows))]
     is_video = media.dim() == 6
     pages = paginate(len(rows), args.max_rows)
     target = out.with_suffix(".mp4") if is_video else (
@@ -93,7 +100,7 @@ def run_grid(args: argparse.Namespace) -> int:
             written.append(file)
         page_info.append({"file": file.name, "rows": [page.start, page.stop],
                           "scale": layout.scale, "size": [layout.width, layout.height],
-                          "cells": [[list(layout.cell_box(r, c)) for c in range(len(checkpoints))]
+                          "cells": [[list(layout.cell_box(r, c)) for c in range(lead + len(checkpoints))]
                                     for r in range(len(page))]})
     summary = {
         "model": args.model, "num_steps": steps, "guidance_scale": guidance, "options": options,
@@ -101,6 +108,7 @@ def run_grid(args: argparse.Namespace) -> int:
                     for c in checkpoints],
         "rows": [{"prompt": record["prompt"], "seed": seed, "metadata": record["metadata"]}
                  for record, seed in rows],
+        "source_column": bool(lead),
         "rewards": None if reward is None else {
             checkpoint.label: {k: [json_number(float(x)) for x in v] for k, v in column.items()}
             for checkpoint, column in zip(checkpoints, scores)},

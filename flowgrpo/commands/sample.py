@@ -37,8 +37,11 @@ def run_sample(args: argparse.Namespace) -> int:
     prompts = [record["prompt"] for _, record, _ in rows]
     noise = seed_noise(model, [seed for _, _, seed in rows])
     bar = progress_bar(math.ceil(len(rows) / args.batch_size), "sample", args.quiet)
+    from flowgrpo.prompts import record_images
+
     with checkpoint_applied(model, checkpoint):
-        media = generate(model, prompts, noise, steps, guidance, args.batch_size, bar)
+        media = generate(model, prompts, noise, steps, guidance, args.batch_size, bar,
+                         images=record_images([record for _, record, _ in rows]))
     bar.close()
 
     index = []

@@ -1,0 +1,134 @@
+"""The toy world's editing task: a source scene, an instruction, and the exact edited scene.
+
+An edit record is a prompt record with a source image (``flowgrpo.prompts``)::
+
+    {"prompt": "make the circle blue",
+     "image": float (3, 24, 24) in [0, 1],          # the source scene
+     "metadata": {"family": "recolor_two",           # recolor_one / recolor_two (objects in scene)
+                  "task": "edit",
+                  "objects": [...], "relation": None, # the TARGET scene (grammar metadata)
+                  "source": {...},                    # the source scene's grammar metadata
+                  "edit": {"kind": "recolor", "shape": "circle", "color": "blue"},
+                  "layout_seed": 123}}                # render_pair(source, edit, seed) redraws both
+
+The source scenes are the grammar's coloured scenes ("colors": one object, "color_attr": two),
+train sources from the grammar's train split and held-out sources from its held-out split, so
+``edit_heldout`` asks for edits of scenes never trained on. Each source prompt gives one edit (a
+seeded choice of object and new colour) and one seeded layout, so the splits are deterministic.
+``reward_models/toy_edit.py`` verifies an edit exactly: the target scene holds and every object
+of the source stays where it was (``edit_verdict``).
+"""
+from __future__ import annotations
+
+import copy
+import random
+
+import numpy as np
+
+from flowgrpo.toyworld.grammar import COLORS, prompt_split
+from flowgrpo.toyworld.render import draw, place_scene
+from flowgrpo.toyworld.verify import DetectedObject, detect_objects, verify
+
+# Words the instructions add to the grammar's vocabulary (the editing tokenizer's extra words).
+EDIT_WORDS: tuple[str, ...] = ("make", "the")
+EDIT_SPLITS: tuple[str, ...] = ("edit_train", "edit_heldout")
+EDIT_FAMILIES: dict[str, str] = {"colors": "recolor_one", "color_attr": "recolor_two"}
+EDIT_SEED = 20261130
+# How far (px, at 24 px) an object kept by the edit may drift from its source position.
+KEEP_TOLERANCE = 2.0
+
+
+def instruction(edit: dict) -> str:
+    """The instruction of ``edit`` ({"kind": "recolor", "shape", "color"}), e.g. "make the circle blue"."""
+    if edit.get("kind") != "recolor":
+        raise ValueError(f"edit kind must be 'recolor' (got {edit.get('kind')!r})")
+    return f"make the {edit['shape']} {edit['color']}"
+
+
+def apply_edit(source: dict, edit: dict) -> dict:
+    """The target grammar metadata: ``source`` with the edited object's colour changed."""
+    target = copy.deepcopy(source)
+    hits = [o for o in target["objects"] if o["shape"] == edit["shape"]]
+    if len(hits) != 1:
+        raise ValueError(f"edit {edit} must name exactly one object of the source scene "
+                         f"{source['objects']}")
+    hits[0]["color"] = edit["color"]
+    return target
+
+
+def choose_edit(source: dict, rng: random.Random) -> dict:
+    """A recolour of one object of ``source`` to a colour no object of the scene has."""
+    target = source["objects"][rng.randrange(len(source["objects"]))]
+    taken = {o["color"] for o in source["objects"]}
+    return {"kind": "recolor", "shape": target["shape"],
+            "color": rng.choice([c for c in COLORS if c not in taken])}
+
+
+def render_pair(source: dict, edit: dict, seed: int, size: int = 24) -> tuple[np.ndarray, np.ndarray]:
+    """(source image, target image), float32 (3, size, size) in [0, 1]: one layout drawn for the
+    source scene, the target the same layout with the edited object recoloured."""
+    placed = place_scene(source, size, np.random.default_rng(seed))
+    edited = [copy.copy(p) for p in placed]
+    for p in edited:
+        if p.shape == edit["shape"]:
+            p.color = edit["color"]
+    return draw(placed, size), draw(edited, size)
+
+
+def edit_split(split: str) -> list[dict]:
+    """Edit records of ``split`` ("edit_train" or "edit_heldout"), with ``image`` a float32 torch
+    tensor (3, 24, 24) in [0, 1]; families in ``EDIT_FAMILIES`` order."""
+    import torch
+
+    if split not in EDIT_SPLITS:
+        raise ValueError(f"split must be one of {EDIT_SPLITS} (got {split!r})")
+    grammar_split = "train" if split == "edit_train" else "heldout"
+    records = []
+    for item in prompt_split(grammar_split):
+        source = item["metadata"]
+        if source["family"] not in EDIT_FAMILIES:
+            continue
+        rng = random.Random(f"{EDIT_SEED}-{item['prompt']}")
+        edit = choose_edit(source, rng)
+        seed = rng.randrange(2 ** 31)
+        image, _ = render_pair(source, edit, seed)
+        target = apply_edit(source, edit)
+        records.append({
+            "prompt": instruction(edit),
+            "image": torch.from_numpy(image),
+            "metadata": {"family": EDIT_FAMILIES[source["family"]], "task": "edit",
+                         "objects": target["objects"], "relation": target.get("relation"),
+                         "source": source, "edit": edit, "layout_seed": seed}})
+    return records
+
+
+def _kept(source_objects: list[DetectedObject], output_objects: list[DetectedObject],
+          edit: dict, tolerance: float) -> tuple[int, int]:
+    """(objects of the source found where they were, objects of the source). A source object is
+    kept when an output object of its shape, and of its colour unless it is the edited object,
+    lies within ``tolerance`` px of its centroid."""
+    found = 0
+    for obj in source_objects:
+        edited = obj.shape == edit["shape"]
+        found += any(o.shape == obj.shape and (edited or o.color == obj.color)
+                     and abs(o.cx - obj.cx) <= tolerance and abs(o.cy - obj.cy) <= tolerance
+                     for o in output_objects)
+    return found, len(source_objects)
+
+
+def edit_verdict(output: np.ndarray, source: np.ndarray, metadata: dict,
+                 tolerance: float = KEEP_TOLERANCE) -> dict[str, float]:
+    """Scores of one edit. output/source: float (3, H, W) in [0, 1]; metadata: an edit record's.
+
+    ``target``: 1 when the output is the target scene exactly (``verify``: shapes, colours,
+    counts, no extra objects); ``kept``: share of the source's objects still at their place (the
+    edited one by shape, the others by shape and colour, centroids within ``tolerance`` px scaled
+    with H); ``exact``: target and every object kept; ``partial``: the mean of the target's share
+    of requirements met and ``kept``."""
+    target = verify(detect_objects(output), metadata)
+    scale = output.shape[-1] / 24.0
+    found, total = _kept(detect_objects(source), detect_objects(output), metadata["edit"],
+                         tolerance * scale)
+    kept = found / max(total, 1)
+    return {"exact": float(target.exact == 1.0 and found == total),
+            "partial": 0.5 * (target.partial + kept), "target": target.exact, "kept": kept}

@@ -1,0 +1,100 @@
+"""FLUX.1 Kontext (``black-forest-labs/FLUX.1-Kontext-dev``) as an editing FlowModel.
+
+Everything of FLUX.1 (``pipelines/flux.py``: text encoders, packing, dynamic shift on the
+*output's* token count, timestep = sigma, guidance embedding) plus the source image, as
+``FluxKontextPipeline`` does it:
+
+- the source image (3, h, w) in [0, 1] is resized (bilinear, antialiased) to the output size
+  (options height/width) when it differs, mapped to [-1, 1], VAE-encoded (the posterior's mode),
+  normalised ``(z - shift_factor) * scaling_factor`` and packed: ``image_latents``
+  (B, H/16 * W/16, 4C), one row per prompt in the Conditioning;
+- its position ids are the output's with the first coordinate 1 instead of 0;
+- each transformer call sees [output tokens; source tokens] and ids [output ids; source ids], and
+  the velocity is the prediction of the output tokens only.
+
+Differences from the stock pipeline, on purpose: the pipeline resizes the source image to a
+"preferred Kontext resolution" and the output to about 1024^2 pixels of the source's aspect
+(``_auto_resize``, ``max_area``); here both are the configured height x width, so every row of a
+batch has the same token count (the parity tests call the pipeline with ``_auto_resize=False``
+and ``max_area=height*width``). True CFG with a negative prompt (``true_cfg_scale``) is not
+supported: Kontext-dev is guidance-distilled and Flow-GRPO trains it with the embedding.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from flowgrpo.model import Conditioning
+from pipelines.flux import FluxModel, latent_image_ids, pack_latents
+
+
+class FluxKontextModel(FluxModel):
+    """FLUX.1 Kontext adapter (``load_model("flux_kontext", path, options=...)``: FLUX's options)."""
+
+    family = "flux_kontext"
+    pipeline_class_path = "diffusers:FluxKontextPipeline"
+    supports_images = True
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        ids = latent_image_ids(self.latent_height, self.latent_width)
+        ids[:, 0] = 1.0     # the source image's tokens: same grid, first id coordinate 1
+        self.source_image_ids = ids.to(self.device)
+
+    def encode_images(self, images: list[Tensor]) -> Tensor:
+        """Packed, normalised VAE latents (B, H/16 * W/16, 4C) of source images (3, h, w) in
+        [0, 1], each resized to the output size when it differs."""
+        size = (self.options.height, self.options.width)
+        rows = []
+        for image in images:
+            if image.dim() != 3 or image.shape[0] != 3:
+                raise ValueError(f"source images must be (3, H, W) floats in [0, 1] (got shape "
+                                 f"{tuple(image.shape)})")
+            image = image.to(self.device, torch.float32)[None]
+            if tuple(image.shape[-2:]) != size:
+                image = F.interpolate(image, size=size, mode="bilinear", align_corners=False,
+                                      antialias=True).clamp(0, 1)
+            rows.append(image)
+        pixels = torch.cat(rows) * 2.0 - 1.0
+        config = self.vae.config
+        with torch.no_grad(), self.vae_on_device():
+            z = self.vae.encode(pixels.to(self.vae.dtype)).latent_dist.mode()
+        z = (z.float() - (config.shift_factor or 0.0)) * config.scaling_factor
+        return pack_latents(z).to(self.dtype)
+
+    def encode_prompts(self, prompts: list[str], images: list[Tensor] | None = None) -> Conditioning:
+        """FLUX's prompt embeddings plus ``image_latents`` (B, tokens, 4C): one source image per
+        prompt is required (Kontext edits; for text-to-image use the flux family)."""
+        if images is None or len(images) != len(prompts) or any(i is None for i in images):
+            raise ValueError("flux_kontext edits images: give one source image per prompt "
+                             "(prompt records with an \"image\"; JSONL {\"prompt\", \"image\"})")
+        cond = super().encode_prompts(prompts)
+        cond.positive["image_latents"] = self.encode_images(list(images))
+        return cond
+
+    def velocity(self, latents: Tensor, sigma: Tensor, cond: Conditioning, guidance_scale: float) -> Tensor:
+        """Velocity (B, tokens, 4C) float32 of the output tokens, the transformer seeing the output
+        tokens followed by the source image's (``cond.positive["image_latents"]``)."""
+        batch, tokens = latents.shape[:2]
+        if "image_latents" not in cond.positive:
+            raise ValueError("flux_kontext needs the source image: encode the prompts with "
+                             "encode_prompts(prompts, images=...)")
+        sigma = self._per_sample_sigma(sigma, batch, self.device)
+        if cond.batch_size != batch:
+            raise ValueError(f"cond has {cond.batch_size} rows but latents has {batch}")
+        guidance = None
+        if self.transformer.config.guidance_embeds:
+            guidance = torch.full((batch,), float(guidance_scale), device=self.device, dtype=torch.float32)
+        text_ids = cond.extra.get("text_ids")
+        if text_ids is None:
+            text_ids = torch.zeros(cond.positive["prompt_embeds"].shape[1], 3)
+        hidden = torch.cat([latents.to(self.device, self.dtype),
+                            cond.positive["image_latents"].to(self.device, self.dtype)], dim=1)
+        ids = torch.cat([self.image_ids.to(self.device), self.source_image_ids.to(self.device)])
+        out = self.transformer(
+            hidden_states=hidden, timestep=sigma, guidance=guidance,
+            pooled_projections=cond.positive["pooled_prompt_embeds"].to(self.device, self.dtype),
+            encoder_hidden_states=cond.positive["prompt_embeds"].to(self.device, self.dtype),
+            txt_ids=text_ids.to(self.device), img_ids=ids, return_dict=False)[0]
+        return out[:, :tokens].float()
