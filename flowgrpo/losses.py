@@ -33,6 +33,8 @@ TOKEN_AGGREGATION_RULES = {
         masked.sum() / (mask.sum().clamp(min=1) if tokens is None else tokens),
 }
 TOKEN_AGGREGATIONS = tuple(TOKEN_AGGREGATION_RULES)
+# training.kl_convention: which std flow_kl divides by (see flow_kl).
+KL_CONVENTIONS = ("exact", "flow_grpo")
 TOKEN_LEVELS = ("token", "sequence")
 
 
@@ -300,10 +302,17 @@ def flow_kl(mean: Tensor, mean_ref: Tensor, std: Tensor) -> Tensor:
 
         mean_d((mean - mean_ref)^2) / (2 std^2)
 
+    Conventions (``KL_CONVENTIONS``, chosen by ``training.kl_convention``): "exact" passes the
+    transition's total std S = s sqrt(D), D = sigma - sigma_next; "flow_grpo" passes the anchor's
+    ``std_dev_t`` (``sde.anchor_std``: s = S / sqrt(D) for the SDE kinds), which is Flow-GRPO's
+    KL loss ``((mean - mean_ref)^2).mean() / (2 std_dev_t^2)``, i.e. the exact KL times D. On
+    SD3's 10-step schedule D is 0.04..0.25 at the trained steps, so a beta copied from Flow-GRPO
+    is 4..25 times stronger under "exact".
+
     Args:
         mean: (B, ...) transition mean under the policy (carries the gradient).
         mean_ref: (B, ...) transition mean under the reference policy (detached).
-        std: (B,) the transition std shared by both, > 0.
+        std: (B,) the std the KL divides by (see above), > 0.
     """
     if mean.dim() < 2:
         raise ValueError(f"mean must have shape (B, ...) (got {tuple(mean.shape)})")

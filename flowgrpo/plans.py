@@ -9,12 +9,19 @@ Plan kinds (``PlanConfig.kind``):
 
 * ``full`` (Flow-GRPO, DanceGRPO): every step but the last is stochastic (the last step to
   sigma = 0 is deterministic); the first ``int(num_steps * train_fraction)`` stochastic steps are
-  trained (Flow-GRPO: 0.99 of 10 -> 9), or that many drawn per (iteration, group) (DanceGRPO).
+  trained (Flow-GRPO: 0.99 of 10 -> 9), or that many drawn per (iteration, group) (``random``),
+  or per sample (``random_per_sample``, DanceGRPO's per-sample permutation; the group's plan then
+  lists every stochastic step as trained and ``sample_trained_steps`` gives each row its subset).
 * ``window`` (MixGRPO): a sliding window of ``window_size`` stochastic+trained steps; Euler before
-  it, ``solver_after`` after it; the start moves every ``shift_interval`` iterations
-  (``progressive``) or is drawn per iteration (``random``), the same for all groups.
-  MixGRPO-Flash: ``solver_after="dpmpp_2m"`` and ``compress_ratio < 1`` re-discretise the
-  post-window stretch to fewer steps.
+  it, ``solver_after`` after it; the start moves by ``window_stride`` every ``shift_interval``
+  iterations (``progressive``), after a number of iterations that decays with the position
+  (``decay``, ``exp_decay``: MixGRPO's other schedules) or is drawn per iteration (``random``),
+  the same for all groups. ``window_end`` says how far the start runs before rolling back:
+  ``fit`` (the window always fits the range), ``shrink`` (to the range end, the window shrinking
+  on its last positions) or ``shrink_empty`` (one more position whose window is empty: MixGRPO's
+  released ``GRPOTrainingStates``). MixGRPO-Flash: ``solver_after="dpmpp_2m"`` and
+  ``compress_ratio < 1`` re-discretise the post-window stretch to fewer steps, as many as
+  MixGRPO's code builds: with r steps after the window, max(int((r + 1) ratio) - 1, 1).
 * ``branch`` (Flow-GRPO-Fast): a window whose start is drawn per (iteration, group); ODE elsewhere.
 * ``one_step`` (Flash-GRPO): a single stochastic+trained step k drawn per (iteration, group).
 
@@ -26,6 +33,7 @@ computed once per prompt. Every planner sets it to the first stochastic index.
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -40,12 +48,17 @@ __all__ = [
     "PlanConfig",
     "make_plan",
     "window_start",
+    "window_schedule",
     "compress_schedule",
+    "compressed_steps",
+    "sample_trained_steps",
+    "replay_steps_per_chunk",
     "plan_seed",
 ]
 
-TRAIN_SELECTS = ("first", "random")
-WINDOW_STRATEGIES = ("progressive", "random")
+TRAIN_SELECTS = ("first", "random", "random_per_sample")
+WINDOW_STRATEGIES = ("progressive", "decay", "exp_decay", "random")
+WINDOW_ENDS = ("fit", "shrink", "shrink_empty")
 
 
 # ----------------------------------------------------------------------------- StepPlan
@@ -172,7 +185,8 @@ class PlanConfig:
         "(Flow-GRPO 0.99 -> 9 of 10; DanceGRPO 0.6)."))
     train_select: str = field(default="first", metadata=_help(
         "full: 'first' trains the first ones in order (Flow-GRPO); 'random' draws them per "
-        "(iteration, group) (DanceGRPO)."))
+        "(iteration, group), so the members of a group train the same steps; "
+        "'random_per_sample' draws them per (iteration, sample) as DanceGRPO does."))
     window_size: int = field(default=4, metadata=_help(
         "window/branch: number of consecutive stochastic+trained steps (MixGRPO 4; Fast 2-3)."))
     window_stride: int = field(default=1, metadata=_help(
@@ -181,19 +195,39 @@ class PlanConfig:
     shift_interval: int = field(default=25, metadata=_help(
         "window: iterations between progressive moves (MixGRPO 25; Flash 20)."))
     window_strategy: str = field(default="progressive", metadata=_help(
-        "window: 'progressive' (moves by window_stride every shift_interval iterations) or "
-        "'random' (start drawn each iteration, the same for every group)."))
+        "window: 'progressive' (moves by window_stride every shift_interval iterations), 'decay' "
+        "(stays int(max (1 - p / hi) + min p / hi) iterations at start p, at least min: "
+        "decay_max_interval / decay_min_interval), 'exp_decay' (stays ceil(shift_interval "
+        "exp(-exp_decay_rate max(0, p - exp_decay_threshold))) iterations) or 'random' (start "
+        "drawn each iteration, the same for every group); MixGRPO's sample_strategy."))
     window_range: tuple[int, int] | None = field(default=None, metadata=_help(
-        "window: [lo, hi) steps the window may cover; None = all but the last step."))
+        "window: [lo, hi) steps the window may cover; None = all but the last step "
+        "(MixGRPO: [0, num_steps - 2))."))
+    window_end: str = field(default="fit", metadata=_help(
+        "window: last start of a progressive/decay window before it rolls back: 'fit' (hi - "
+        "window_size: the window always fits), 'shrink' (hi - 1: the window shrinks to the "
+        "steps left in the range) or 'shrink_empty' (hi: one more position with no stochastic "
+        "step, as MixGRPO's released GRPOTrainingStates)."))
     roll_back: bool = field(default=True, metadata=_help(
-        "window: when the progressive window passes the range end, go back to the range start "
-        "(True) or stay at the last start that fits (False)."))
+        "window: when the progressive window passes its last start, go back to the range start "
+        "(True) or stay at the last start (False)."))
+    decay_max_interval: int = field(default=10, metadata=_help(
+        "window, 'decay': iterations at the range start (MixGRPO's max_iters_per_group, 10 in "
+        "its scripts)."))
+    decay_min_interval: int = field(default=1, metadata=_help(
+        "window, 'decay': iterations at the range end and the floor (MixGRPO's "
+        "min_iters_per_group, 1 in its scripts)."))
+    exp_decay_threshold: int = field(default=13, metadata=_help(
+        "window, 'exp_decay': start index after which the interval decays (MixGRPO: 13)."))
+    exp_decay_rate: float = field(default=0.1, metadata=_help(
+        "window, 'exp_decay': decay rate k per step past the threshold (MixGRPO: 0.1)."))
     solver_after: str = field(default="euler", metadata=_help(
         "Deterministic solver after the last stochastic step: 'euler' or 'dpmpp_2m' "
         "(MixGRPO-Flash)."))
     compress_ratio: float = field(default=1.0, metadata=_help(
         "window: < 1 re-discretises the post-window stretch of r steps to "
-        "max(int(r * ratio), 1) steps (MixGRPO-Flash 0.4, Flash* 0.2)."))
+        "max(int((r + 1) * ratio) - 1, 1) steps, MixGRPO's count (MixGRPO-Flash 0.4: 21 -> 7, "
+        "Flash* 0.2: 21 -> 3)."))
     branch_range: tuple[int, int] | None = field(default=None, metadata=_help(
         "branch: [lo, hi) for the window start, drawn per (iteration, group); None = "
         "[0, num_steps // 2)."))
@@ -210,6 +244,7 @@ class PlanConfig:
         _choice(self.kind, PLAN_KINDS, prefix + "kind")
         _choice(self.train_select, TRAIN_SELECTS, prefix + "train_select")
         _choice(self.window_strategy, WINDOW_STRATEGIES, prefix + "window_strategy")
+        _choice(self.window_end, WINDOW_ENDS, prefix + "window_end")
         _choice(self.solver_after, ODE_SOLVERS, prefix + "solver_after")
         if not _is_number(self.train_fraction) or not 0 < self.train_fraction <= 1:
             raise ValueError(f"{prefix}train_fraction must be in (0, 1] "
@@ -221,6 +256,15 @@ class PlanConfig:
         _int_at_least(self.window_size, 1, prefix + "window_size")
         _int_at_least(self.window_stride, 0, prefix + "window_stride")
         _int_at_least(self.shift_interval, 1, prefix + "shift_interval")
+        _int_at_least(self.decay_min_interval, 1, prefix + "decay_min_interval")
+        _int_at_least(self.decay_max_interval, 1, prefix + "decay_max_interval")
+        if self.decay_max_interval < self.decay_min_interval:
+            raise ValueError(f"{prefix}decay_max_interval ({self.decay_max_interval}) must be >= "
+                             f"{prefix}decay_min_interval ({self.decay_min_interval})")
+        _int_at_least(self.exp_decay_threshold, 0, prefix + "exp_decay_threshold")
+        if not _is_number(self.exp_decay_rate) or not self.exp_decay_rate >= 0:
+            raise ValueError(f"{prefix}exp_decay_rate must be a number >= 0 "
+                             f"(got {self.exp_decay_rate!r})")
         if not isinstance(self.roll_back, bool):
             raise ValueError(f"{prefix}roll_back must be true or false (got {self.roll_back!r})")
         if not _is_number(self.compress_ratio) or not 0 < self.compress_ratio <= 1:
@@ -285,39 +329,88 @@ def _draw(lo: int, hi: int, generator: torch.Generator) -> int:
 # ----------------------------------------------------------------------------- planners
 
 
+def _window_bounds(config: PlanConfig, num_steps: int) -> tuple[int, int]:
+    return _step_range(config.window_range, (0, num_steps - 1), num_steps,
+                       "sampling.plan.window_range")
+
+
+def window_schedule(config: PlanConfig, num_steps: int) -> list[tuple[int, int]]:
+    """One cycle of a progressive / decay / exp_decay window: [(start, iterations at it)].
+
+    Starts run lo, lo + stride, ... up to the last start of ``window_end`` (fit: hi - size;
+    shrink: hi - 1; shrink_empty: hi). The iterations at start p are shift_interval
+    (progressive), max(min, int(max (1 - p / hi) + min p / hi)) (decay) or
+    ceil(shift_interval exp(-k max(0, p - threshold))) (exp_decay): MixGRPO's
+    ``GRPOTrainingStates``, whose max_timesteps is hi (num_steps - 2 in its scripts).
+    """
+    config.validate(num_steps)
+    lo, hi = _window_bounds(config, num_steps)
+    last = {"fit": max(hi - config.window_size, lo), "shrink": hi - 1,
+            "shrink_empty": hi}[config.window_end]
+    starts = [lo] if config.window_stride == 0 else list(range(lo, last + 1, config.window_stride))
+    schedule = []
+    for start in starts:
+        if config.window_strategy == "decay":
+            progress = start / hi
+            interval = max(config.decay_min_interval,
+                           int(config.decay_max_interval * (1 - progress)
+                               + config.decay_min_interval * progress))
+        elif config.window_strategy == "exp_decay":
+            excess = max(0, start - config.exp_decay_threshold)
+            interval = max(1, math.ceil(config.shift_interval
+                                        * math.exp(-config.exp_decay_rate * excess)))
+        else:
+            interval = config.shift_interval
+        schedule.append((start, interval))
+    return schedule
+
+
 def window_start(config: PlanConfig, num_steps: int, iteration: int, seed: int) -> int:
     """Start of the MixGRPO window at ``iteration`` (the same for every group).
 
-    With [lo, hi) = window_range (default [0, num_steps - 1)) and last = max(hi - size, lo), the
-    last start at which the window still fits:
+    With [lo, hi) = window_range (default [0, num_steps - 1)):
     * window_stride == 0: lo (frozen window, Flash*).
-    * progressive: lo + (iteration // shift_interval) * stride; past ``last`` it rolls back to lo
-      (cycling through lo, lo + stride, ... <= last) if roll_back, else stays at ``last``.
-    * random: uniform in [lo, last], drawn from (seed, iteration).
+    * progressive / decay / exp_decay: walk ``window_schedule`` (each start held for its number
+      of iterations); past the last start it rolls back to lo if roll_back (the schedule
+      repeats), else stays at the last start of ``window_end``.
+    * random: uniform in [lo, max(hi - size, lo)] (the window fits), drawn from (seed, iteration).
+    A window starting at p covers [p, min(p + size, hi)): with window_end shrink / shrink_empty
+    its last positions cover fewer steps (none at p = hi).
     """
     config.validate(num_steps)
-    lo, hi = _step_range(config.window_range, (0, num_steps - 1), num_steps,
-                         "sampling.plan.window_range")
-    last = max(hi - config.window_size, lo)
+    lo, hi = _window_bounds(config, num_steps)
     if config.window_stride == 0:
         return lo
     if config.window_strategy == "random":
+        last = max(hi - config.window_size, lo)
         return _draw(lo, last + 1, _generator(seed, iteration, None, "window"))
-    moves = iteration // config.shift_interval
-    if config.roll_back:
-        positions = (last - lo) // config.window_stride + 1
-        return lo + (moves % positions) * config.window_stride
-    return min(lo + moves * config.window_stride, last)
+    schedule = window_schedule(config, num_steps)
+    cycle = sum(interval for _, interval in schedule)
+    if iteration >= cycle:
+        if not config.roll_back:
+            last = {"fit": max(hi - config.window_size, lo), "shrink": hi - 1,
+                    "shrink_empty": hi}[config.window_end]
+            return last
+        iteration %= cycle
+    for start, interval in schedule:
+        if iteration < interval:
+            return start
+        iteration -= interval
+    raise AssertionError("unreachable: iteration is within one cycle")
 
 
-def compress_schedule(sigmas: Tensor, num_steps: int) -> Tensor:
+def compress_schedule(sigmas: Tensor, num_steps: int, time_shift: float | None = None) -> Tensor:
     """Re-discretise a schedule (r+1,) into ``num_steps`` steps (num_steps+1,), same endpoints.
 
-    Points sit at evenly spaced fractional indices u_j = j r / num_steps and take the piecewise-
-    linear interpolation of ``sigmas`` in the index, so the new points follow the shape of the
-    original (shifted) schedule: with a schedule f(1 - i/N) this approximates MixGRPO's
-    f(linspace) re-discretisation, and when r is a multiple of num_steps the points are exactly
-    every (r / num_steps)-th original point.
+    Without ``time_shift``: points sit at evenly spaced fractional indices u_j = j r / num_steps
+    and take the piecewise-linear interpolation of ``sigmas`` in the index, so the new points
+    follow the shape of the original (shifted) schedule; when r is a multiple of num_steps the
+    points are exactly every (r / num_steps)-th original point.
+
+    With ``time_shift`` s (the schedule is shift_s(t) of a time t linear in the step index, as
+    MixGRPO's ``sd3_time_shift(3, linspace(1, 0, N + 1))``): the points are
+    shift_s(linspace(t_0, 0, num_steps + 1)) with t_0 the unshifted time of sigmas[0], what
+    MixGRPO's DPM-Solver++ "post" grid is.
     """
     sigmas = _check_schedule(sigmas, "sigmas")
     intervals = sigmas.numel() - 1
@@ -326,6 +419,15 @@ def compress_schedule(sigmas: Tensor, num_steps: int) -> Tensor:
     if num_steps > intervals:
         raise ValueError(f"num_steps must be <= the {intervals} steps of sigmas: compression never "
                          f"refines (got {num_steps})")
+    if time_shift is not None:
+        if not time_shift > 0:
+            raise ValueError(f"time_shift must be > 0 (got {time_shift})")
+        first = float(sigmas[0])
+        start_time = first / (time_shift - (time_shift - 1) * first)     # inverse of the shift
+        grid = torch.linspace(start_time, 0.0, num_steps + 1, dtype=torch.float64)
+        values = time_shift * grid / (1 + (time_shift - 1) * grid)
+        values[0], values[-1] = sigmas[0].double(), sigmas[-1].double()
+        return values.to(torch.float32)
     position = torch.arange(num_steps + 1, dtype=torch.float64) * (intervals / num_steps)
     position[-1] = intervals
     left = position.floor().long().clamp(max=intervals - 1)
@@ -335,13 +437,28 @@ def compress_schedule(sigmas: Tensor, num_steps: int) -> Tensor:
     return values.to(torch.float32)
 
 
+def compressed_steps(remaining: int, ratio: float) -> int:
+    """Steps after a MixGRPO-Flash window of ``remaining`` original steps: MixGRPO builds
+    int((remaining + 1) ratio) schedule points from the step after the window to 0, i.e. one
+    step fewer, and at least one step here (its code degenerates to none when int(...) = 1)."""
+    if ratio >= 1:
+        return remaining
+    return min(max(int((remaining + 1) * ratio) - 1, 1), remaining)
+
+
+def _full_count(config: PlanConfig, num_steps: int) -> int:
+    return min(int(num_steps * config.train_fraction), num_steps - 1)
+
+
 def _full_plan(config: PlanConfig, sigmas: Tensor, iteration: int, group_id: int,
-               seed: int) -> StepPlan:
+               seed: int, time_shift: float | None = None) -> StepPlan:
     num_steps = sigmas.numel() - 1
     stochastic = tuple(range(num_steps - 1))
-    count = min(int(num_steps * config.train_fraction), len(stochastic))
+    count = _full_count(config, num_steps)
     if config.train_select == "first":
         trained = stochastic[:count]
+    elif config.train_select == "random_per_sample":
+        trained = stochastic          # each row trains its own subset: sample_trained_steps
     else:
         order = torch.randperm(len(stochastic), generator=_generator(seed, iteration, group_id,
                                                                      "full"))
@@ -350,23 +467,23 @@ def _full_plan(config: PlanConfig, sigmas: Tensor, iteration: int, group_id: int
 
 
 def _window_plan(config: PlanConfig, sigmas: Tensor, iteration: int, group_id: int,
-                 seed: int) -> StepPlan:
+                 seed: int, time_shift: float | None = None) -> StepPlan:
     # one window for every group of an iteration (MixGRPO): group_id does not enter
     num_steps = sigmas.numel() - 1
-    _, hi = _step_range(config.window_range, (0, num_steps - 1), num_steps,
-                        "sampling.plan.window_range")
+    _, hi = _window_bounds(config, num_steps)
     start = window_start(config, num_steps, iteration, seed)
     end = min(start + config.window_size, hi)
     steps = tuple(range(start, end))
-    if config.compress_ratio < 1:
+    if config.compress_ratio < 1 and steps:
         remaining = num_steps - end
-        post_steps = min(max(int(remaining * config.compress_ratio), 1), remaining)
-        sigmas = torch.cat([sigmas[:end], compress_schedule(sigmas[end:], post_steps)])
-    return StepPlan(sigmas, steps, steps, config.solver_after, shared_prefix=start)
+        post_steps = compressed_steps(remaining, config.compress_ratio)
+        sigmas = torch.cat([sigmas[:end], compress_schedule(sigmas[end:], post_steps, time_shift)])
+    return StepPlan(sigmas, steps, steps, config.solver_after,
+                    shared_prefix=min(start, num_steps) if steps else 0)
 
 
 def _branch_plan(config: PlanConfig, sigmas: Tensor, iteration: int, group_id: int,
-                 seed: int) -> StepPlan:
+                 seed: int, time_shift: float | None = None) -> StepPlan:
     num_steps = sigmas.numel() - 1
     lo, hi = _step_range(config.branch_range, (0, num_steps // 2), num_steps,
                          "sampling.plan.branch_range")
@@ -376,7 +493,7 @@ def _branch_plan(config: PlanConfig, sigmas: Tensor, iteration: int, group_id: i
 
 
 def _one_step_plan(config: PlanConfig, sigmas: Tensor, iteration: int, group_id: int,
-                   seed: int) -> StepPlan:
+                   seed: int, time_shift: float | None = None) -> StepPlan:
     num_steps = sigmas.numel() - 1
     lo, hi = _step_range(config.one_step_range, (0, num_steps // 2), num_steps,
                          "sampling.plan.one_step_range")
@@ -385,7 +502,7 @@ def _one_step_plan(config: PlanConfig, sigmas: Tensor, iteration: int, group_id:
 
 
 def make_plan(config: PlanConfig, base_sigmas: Tensor, iteration: int, group_id: int,
-              seed: int) -> StepPlan:
+              seed: int, time_shift: float | None = None) -> StepPlan:
     """The plan of group ``group_id`` at ``iteration``; a pure function of its arguments.
 
     Args:
@@ -395,6 +512,9 @@ def make_plan(config: PlanConfig, base_sigmas: Tensor, iteration: int, group_id:
         group_id: the prompt group; only ``full``/random, ``branch`` and ``one_step`` depend on
             it (window plans are the same for every group).
         seed: the run's seed.
+        time_shift: the static shift of ``base_sigmas`` when it is shift(t) on a t grid linear
+            in the index (``sde.shifted_linear_sigmas``); MixGRPO-Flash's compressed grid is
+            then uniform in t as in its code (``compress_schedule``). None: compress by index.
     """
     sigmas = _check_schedule(base_sigmas, "base_sigmas")
     for name, value in (("iteration", iteration), ("group_id", group_id), ("seed", seed)):
@@ -403,10 +523,41 @@ def make_plan(config: PlanConfig, base_sigmas: Tensor, iteration: int, group_id:
     if iteration < 0:
         raise ValueError(f"iteration must be >= 0 (got {iteration})")
     config.validate(sigmas.numel() - 1)
-    return PLAN_BUILDERS[config.kind](config, sigmas, iteration, group_id, seed)
+    return PLAN_BUILDERS[config.kind](config, sigmas, iteration, group_id, seed, time_shift)
 
 
-# plan kind -> builder(config, sigmas, iteration, group_id, seed) -> StepPlan
+def sample_trained_steps(config: PlanConfig, plan: StepPlan, iteration: int, sample_id: int,
+                         seed: int) -> tuple[int, ...]:
+    """The steps of ``plan`` that sample ``sample_id`` trains: ``plan.trained``, except for
+    ``train_select: random_per_sample`` (DanceGRPO), where int(num_steps * train_fraction) of the
+    plan's stochastic steps are drawn per (iteration, sample)."""
+    if config.kind != "full" or config.train_select != "random_per_sample":
+        return plan.trained
+    count = _full_count(config, plan.num_steps)
+    order = torch.randperm(len(plan.stochastic),
+                           generator=_generator(seed, iteration, sample_id, "full_sample"))
+    return tuple(sorted(plan.stochastic[i] for i in order[:count].tolist()))
+
+
+def replay_steps_per_chunk(config: PlanConfig, num_steps: int) -> int:
+    """Replay batches one rollout chunk (rows sharing a plan) makes: its trained steps (the most
+    a window position or branch gives). With ``random_per_sample`` the rows of a chunk train
+    different subsets, so nearly every stochastic step has some row to replay. The unit from
+    which ``training.optimizer_steps_per_epoch`` derives the accumulation."""
+    config.validate(num_steps)
+    if config.kind == "full":
+        if config.train_select == "random_per_sample":
+            return num_steps - 1
+        return _full_count(config, num_steps)
+    if config.kind == "one_step":
+        return 1
+    if config.kind == "window":
+        lo, hi = _window_bounds(config, num_steps)
+        return min(config.window_size, hi - lo)
+    return min(config.window_size, num_steps - 1)
+
+
+# plan kind -> builder(config, sigmas, iteration, group_id, seed, time_shift) -> StepPlan
 PLAN_BUILDERS = {"full": _full_plan, "window": _window_plan, "branch": _branch_plan,
                  "one_step": _one_step_plan}
 PLAN_KINDS = tuple(PLAN_BUILDERS)

@@ -9,6 +9,12 @@ so memory is O(trained steps).
 
 Randomness is a pure function of (seed, iteration, group or sample id, step): the same batch gives
 the same rollout on one process or many, and a resumed run repeats the uninterrupted one.
+
+When the rows of a chunk train different subsets of a step (DanceGRPO's per-sample draw,
+``plans.sample_trained_steps``), that step's transformer call is split into the rows that train it
+and the rows that do not, so the replay batch is again exactly a call the rollout made. After the
+last stochastic step of a plan whose ``solver_after`` is DPM-Solver++(2M), the first solver step is
+seeded with that step's x0 estimate (MixGRPO-Flash), so it is already second order.
 """
 from __future__ import annotations
 
@@ -67,13 +73,15 @@ class RolloutBatch:
 
 @dataclass
 class RolloutSettings:
-    kind: str                          # flow_sde | dance_sde | cps
+    kind: str                          # flow_sde | dance_sde | flash_sde | cps
     noise_level: float
     guidance_scale: float
     batch_size: int                    # rows per transformer call
     share_initial_noise: bool
     seed: int
     iteration: int
+    log_prob: str = "exact"            # sde.LOG_PROBS
+    schedule_bounds: tuple[float, float] | None = None   # (sigmas[1], sigmas[-1]): flash_sde
 
 
 def encode_rows(model: FlowModel, prompts: list[str], images: list[Tensor] | None = None
@@ -145,17 +153,21 @@ class StepNoise:
 
 def run_plan(model: FlowModel, plan: StepPlan, latents: Tensor, cond: Conditioning,
              rows: Tensor, sample_ids: Tensor, settings: RolloutSettings,
-             first_step: int = 0, last_step: int | None = None) -> tuple[Tensor, list[ReplayBatch], int]:
+             first_step: int = 0, last_step: int | None = None,
+             row_trained: list[tuple[int, ...]] | None = None
+             ) -> tuple[Tensor, list[ReplayBatch], int]:
     """Integrate steps [first_step, last_step) of ``plan`` for one replay batch.
 
     latents (b, ...) float32 at ``plan.sigmas[first_step]``; rows (b,) their RolloutBatch indices;
-    sample_ids (b,) their global ids (for noise). Returns (latents at the end, replay batches of the
-    trained steps, transformer calls made).
+    sample_ids (b,) their global ids (for noise); row_trained: the trained steps of each row when
+    they differ from ``plan.trained`` (a subset of it). Returns (latents at the end, replay
+    batches of the trained steps, transformer calls made per row).
     """
     last_step = plan.num_steps if last_step is None else last_step
     stochastic = set(plan.stochastic)
     trained = set(plan.trained)
     last_stochastic = max(plan.stochastic, default=-1)
+    seed_solver = plan.solver_after == "dpmpp_2m"
     device = model.device
     replay: list[ReplayBatch] = []
     prev_x0 = prev_sigma = None
@@ -168,20 +180,41 @@ def run_plan(model: FlowModel, plan: StepPlan, latents: Tensor, cond: Conditioni
     for i in range(first_step, last_step):
         sigma = plan.sigmas[i].expand(b).to(device, torch.float32)
         sigma_next = plan.sigmas[i + 1].expand(b).to(device, torch.float32)
-        velocity = model.velocity(x.to(model.dtype), sigma, cond,
-                                  settings.guidance_scale).to(torch.float32)
         calls += 1
         if i in stochastic:
             noise = step_noise(i).to(device)
-            out = transition(settings.kind, velocity, x, sigma, sigma_next,
-                             noise_level=settings.noise_level, noise=noise, validate=False)
-            if i in trained:
-                replay.append(ReplayBatch(rows=rows, step=i, latents=x, next_latents=out.prev_sample,
-                                          sigmas=sigma, sigmas_next=sigma_next,
-                                          logp_old=out.log_prob, mean_old=out.mean, std=out.std,
-                                          gaussian=out.gaussian))
-            x = out.prev_sample
-        elif i > last_stochastic and plan.solver_after == "dpmpp_2m":
+            parts = _trained_parts(i, b, trained, row_trained)
+            x_next = x if len(parts) == 1 else torch.empty_like(x)
+            velocity_all = None if len(parts) == 1 else torch.empty_like(x)
+            for index, is_trained in parts:
+                part = (lambda t: t) if index is None else (lambda t, k=index: t[k])
+                part_cond = cond if index is None else cond.select(index)
+                velocity = model.velocity(part(x).to(model.dtype), part(sigma), part_cond,
+                                          settings.guidance_scale).to(torch.float32)
+                out = transition(settings.kind, velocity, part(x), part(sigma), part(sigma_next),
+                                 noise_level=settings.noise_level, noise=part(noise),
+                                 validate=False, log_prob=settings.log_prob,
+                                 schedule_bounds=settings.schedule_bounds)
+                if is_trained:
+                    replay.append(ReplayBatch(
+                        rows=part(rows), step=i, latents=part(x), next_latents=out.prev_sample,
+                        sigmas=part(sigma), sigmas_next=part(sigma_next), logp_old=out.log_prob,
+                        mean_old=out.mean, std=out.std, gaussian=out.gaussian))
+                if index is None:
+                    x_next, velocity_all = out.prev_sample, velocity
+                else:
+                    x_next[index] = out.prev_sample
+                    velocity_all[index] = velocity
+            if seed_solver and i == last_stochastic:
+                # MixGRPO-Flash seeds the multistep solver with the window's x0 estimate, so the
+                # first post-window DPM-Solver++ step is already second order.
+                prev_x0 = x - sigma.reshape(-1, *[1] * (x.ndim - 1)) * velocity_all
+                prev_sigma = sigma
+            x = x_next
+            continue
+        velocity = model.velocity(x.to(model.dtype), sigma, cond,
+                                  settings.guidance_scale).to(torch.float32)
+        if i > last_stochastic and plan.solver_after == "dpmpp_2m":
             x, x0 = dpmpp_2m_step(x, velocity, sigma, sigma_next, prev_x0=prev_x0,
                                   prev_sigma=prev_sigma, final=i == plan.num_steps - 1)
             prev_x0, prev_sigma = x0, sigma
@@ -190,13 +223,27 @@ def run_plan(model: FlowModel, plan: StepPlan, latents: Tensor, cond: Conditioni
     return x, replay, calls
 
 
+def _trained_parts(step: int, batch: int, trained: set[int],
+                   row_trained: list[tuple[int, ...]] | None) -> list[tuple[Tensor | None, bool]]:
+    """How a stochastic step's call is split: [(row index or None for all rows, trained)]."""
+    if row_trained is None:
+        return [(None, step in trained)]
+    mask = torch.tensor([step in steps for steps in row_trained])
+    if bool(mask.all()) or not bool(mask.any()):
+        return [(None, bool(mask.all()))]
+    return [(mask.nonzero()[:, 0], True), ((~mask).nonzero()[:, 0], False)]
+
+
 def rollout(model: FlowModel, prompts: list[str], metadata: list[dict], group_ids: Tensor,
             sample_ids: Tensor, plans: dict[int, StepPlan], settings: RolloutSettings,
             on_media: Callable[[Tensor, Tensor], None] | None = None,
-            images: list[Tensor] | None = None) -> RolloutBatch:
+            images: list[Tensor] | None = None,
+            sample_trained: dict[int, tuple[int, ...]] | None = None) -> RolloutBatch:
     """Roll out the local batch.
 
-    prompts/metadata: B entries; group_ids/sample_ids: (B,) int64; plans: group id -> StepPlan.
+    prompts/metadata: B entries; group_ids/sample_ids: (B,) int64; plans: group id -> StepPlan;
+    sample_trained: sample id -> its trained steps when they differ per sample (a subset of its
+    group plan's ``trained``; ``plans.sample_trained_steps``), else None.
     Rows are bucketed by plan (groups with the same plan run together, in batch order) and cut into
     replay batches of ``settings.batch_size`` rows. A deterministic prefix that the whole group
     shares (branch / one-step plans with shared noise) is computed once per group and expanded.
@@ -232,8 +279,10 @@ def rollout(model: FlowModel, prompts: list[str], metadata: list[dict], group_id
                 x = prefix[expand.to(prefix.device)]
                 first = plan.shared_prefix
                 calls += prefix_calls * len(reps)
+            row_trained = None if sample_trained is None else \
+                [sample_trained[int(sid)] for sid in sample_ids[rows].tolist()]
             x, chunk_replay, chunk_calls = run_plan(model, plan, x, cond, rows, sample_ids[rows],
-                                                    settings, first)
+                                                    settings, first, row_trained=row_trained)
             calls += chunk_calls * len(rows)
             replay.extend(chunk_replay)
             media = model.decode(x.to(model.device, model.dtype)).to(torch.float32).cpu()

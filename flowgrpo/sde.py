@@ -16,11 +16,23 @@ flow_sde   x + [v + s^2/(2 sigma) eps_hat] dt,                        s sqrt(-dt
            s = a sqrt(sigma / (1 - sigma~)), sigma~ = sigma except
            sigma~ = sigma_next where sigma == 1 (Flow-GRPO)
 dance_sde  x + [v + a^2/(2 sigma) eps_hat] dt  (DanceGRPO, a = eta)   a sqrt(-dt)
+flash_sde  x + [v + s^2/(2 sigma) eps_hat] dt,                        s sqrt(-dt)
+           s = a [s_min + (s_max - s_min) sigma] (Flash-GRPO, a = 1;
+           s_max = the schedule's second sigma, s_min its last)
 cps        (1 - sigma_next) x0_hat + sqrt(sigma_next^2 - std^2) eps_hat  sigma_next sin(a pi / 2)
 ========== ========================================================== ==========================
 
 ``a`` is ``noise_level``; with ``a = 0`` every stochastic kind reduces to Euler (bit for bit for
-``flow_sde`` and ``dance_sde``, up to rounding for ``cps``). Everything is computed in float32
+``flow_sde``, ``dance_sde`` and ``flash_sde``, up to rounding for ``cps``). ``flash_sde`` needs the
+schedule's (s_max, s_min) = (sigmas[1], sigmas[-1]) as ``schedule_bounds``: Flash-GRPO's Wan step
+reads them from the scheduler's sigma array (``std_dev_t = sigma_min + (sigma_max - sigma_min)
+sigma``), which on Wan2.1's 20-step grid is about 0.13 total std at the first step where
+``flow_sde`` with a = 0.7 has exactly 0.7.
+
+Log-prob conventions (``log_prob``): "exact" is the Gaussian log-density per element with its
+constants (what every anchor uses for its SDE kinds); "unscaled" is ``-mean_d (x' - mean)^2``
+without 1/(2 std^2) and constants, what Flow-GRPO's CPS step returns. Its log-ratios are
+2 std^2 times the exact ones, which is what the anchor's CPS clip range (1e-5) is sized for. Everything is computed in float32
 whatever the input dtype: bf16 overflows and loses the tiny log-ratio differences GRPO relies on.
 
 Behaviour with an exact velocity (checked on Gaussian data in tests/test_sde.py):
@@ -51,6 +63,7 @@ from torch import Tensor
 
 __all__ = [
     "KINDS",
+    "LOG_PROBS",
     "ODE_SOLVERS",
     "Transition",
     "transition",
@@ -63,10 +76,13 @@ __all__ = [
     "exponential_time_shift",
     "static_shift_sigmas",
     "dynamic_shift_sigmas",
+    "shifted_linear_sigmas",
+    "anchor_std",
 ]
 
 ODE_SOLVERS = ("euler", "dpmpp_2m")
 REDUCTIONS = ("mean", "sum")
+LOG_PROBS = ("exact", "unscaled")
 _LOG_SQRT_2PI = 0.5 * math.log(2.0 * math.pi)
 
 
@@ -179,7 +195,8 @@ class StepGaussian:
     log p(x') = -reduce((x' - mean)^2) * half_precision - log_norm, where ``reduce`` is "mean" or
     "sum" over a row, half_precision = 1 / (2 std^2) and log_norm = n (log std + log sqrt(2 pi)),
     n = 1 for "mean" and the row's element count for "sum"; both are 0 on rows with std == 0,
-    whose log-prob is 0 (``stochastic`` False).
+    whose log-prob is 0 (``stochastic`` False). Under the "unscaled" convention (Flow-GRPO's CPS)
+    half_precision = 1 and log_norm = 0: log p = -reduce((x' - mean)^2).
     """
 
     coef_x: Tensor
@@ -193,12 +210,16 @@ class StepGaussian:
 
     @classmethod
     def build(cls, coef_x: Tensor, coef_v: Tensor, std: Tensor, numel: int,
-              reduce: str = "mean") -> "StepGaussian":
-        """From the mean's coefficients and the std (B,), for rows of ``numel`` elements."""
+              reduce: str = "mean", log_prob: str = "exact") -> "StepGaussian":
+        """From the mean's coefficients and the std (B,), for rows of ``numel`` elements;
+        ``log_prob`` is the convention ("exact" or "unscaled", see ``LOG_PROBS``)."""
         stochastic = std > 0
+        zero = torch.zeros_like(std)
+        if log_prob == "unscaled":
+            half_precision = torch.where(stochastic, torch.ones_like(std), zero)
+            return cls(coef_x, coef_v, std, stochastic, half_precision, zero, reduce, numel)
         safe_std = torch.where(stochastic, std, torch.ones_like(std))
         count = 1.0 if reduce == "mean" else float(numel)
-        zero = torch.zeros_like(std)
         half_precision = torch.where(stochastic, 0.5 / safe_std.square(), zero)
         log_norm = torch.where(stochastic, count * (torch.log(safe_std) + _LOG_SQRT_2PI), zero)
         return cls(coef_x, coef_v, std, stochastic, half_precision, log_norm, reduce, numel)
@@ -260,8 +281,10 @@ class _ScoredStep(torch.autograd.Function):
 # Each stochastic kind's step as (coef_x, coef_v, std), each (B,) float32, with
 # mean = coef_x x + coef_v v: the table in the module docstring with x0_hat = x - sigma v and
 # eps_hat = x + (1 - sigma) v expanded. Every kind's mean is affine in (x, v) with per-sample
-# coefficients, so the full-size work of a step is two products and a sum.
-def _cps_coefficients(sigma: Tensor, sigma_next: Tensor, noise_level: Tensor
+# coefficients, so the full-size work of a step is two products and a sum. ``bounds`` is the
+# schedule's (s_max, s_min) as (B,) tensors, or None; only flash_sde reads it.
+def _cps_coefficients(sigma: Tensor, sigma_next: Tensor, noise_level: Tensor,
+                      bounds: tuple[Tensor, Tensor] | None = None
                       ) -> tuple[Tensor, Tensor, Tensor]:
     std = sigma_next * torch.sin(noise_level * (math.pi / 2.0))
     eps_coef = torch.sqrt(torch.clamp(sigma_next ** 2 - std ** 2, min=0.0))
@@ -279,7 +302,8 @@ def _drift_coefficients(sigma: Tensor, sigma_next: Tensor, diffusion_sq: Tensor,
     return 1.0 + drift * dt, dt * (1.0 + drift * (1.0 - sigma)), std
 
 
-def _flow_sde_coefficients(sigma: Tensor, sigma_next: Tensor, noise_level: Tensor
+def _flow_sde_coefficients(sigma: Tensor, sigma_next: Tensor, noise_level: Tensor,
+                           bounds: tuple[Tensor, Tensor] | None = None
                            ) -> tuple[Tensor, Tensor, Tensor]:
     sigma_tilde = torch.where(sigma == 1.0, sigma_next, sigma)
     diffusion_sq = noise_level ** 2 * sigma / (1.0 - sigma_tilde)          # s^2
@@ -289,15 +313,48 @@ def _flow_sde_coefficients(sigma: Tensor, sigma_next: Tensor, noise_level: Tenso
     return _drift_coefficients(sigma, sigma_next, diffusion_sq, std)
 
 
-def _dance_sde_coefficients(sigma: Tensor, sigma_next: Tensor, noise_level: Tensor
+def _dance_sde_coefficients(sigma: Tensor, sigma_next: Tensor, noise_level: Tensor,
+                            bounds: tuple[Tensor, Tensor] | None = None
                             ) -> tuple[Tensor, Tensor, Tensor]:
     return _drift_coefficients(sigma, sigma_next, noise_level ** 2,
                                noise_level * torch.sqrt(sigma - sigma_next))
 
 
+def _flash_sde_coefficients(sigma: Tensor, sigma_next: Tensor, noise_level: Tensor,
+                            bounds: tuple[Tensor, Tensor] | None = None
+                            ) -> tuple[Tensor, Tensor, Tensor]:
+    if bounds is None:
+        raise ValueError("kind='flash_sde' needs schedule_bounds=(sigma_max, sigma_min): the "
+                         "second and the last sigma of the sampling schedule (Flash-GRPO)")
+    sigma_max, sigma_min = bounds
+    scale = noise_level * (sigma_min + (sigma_max - sigma_min) * sigma)          # s
+    return _drift_coefficients(sigma, sigma_next, scale ** 2,
+                               scale * torch.sqrt(sigma - sigma_next))
+
+
 STOCHASTIC_STEPS = {"flow_sde": _flow_sde_coefficients, "dance_sde": _dance_sde_coefficients,
-                    "cps": _cps_coefficients}
+                    "flash_sde": _flash_sde_coefficients, "cps": _cps_coefficients}
 KINDS = ("ode", *STOCHASTIC_STEPS)
+# Kinds whose anchor returns the total std as its ``std_dev_t`` (CPS); the SDE kinds return
+# s = std / sqrt(sigma - sigma_next). See ``anchor_std``.
+_TOTAL_STD_KINDS = ("cps",)
+
+
+def anchor_std(kind: str, std: Tensor, sigma: Tensor, sigma_next: Tensor) -> Tensor:
+    """The ``std_dev_t`` the anchors' step functions return, (B,) float32: s = std / sqrt(sigma -
+    sigma_next) for the SDE kinds (Flow-GRPO's a sqrt(sigma / (1 - sigma~)), DanceGRPO's eta,
+    Flash-GRPO's linear s), the total std for cps (Flow-GRPO's sigma_next sin(a pi / 2)).
+
+    Flow-GRPO's KL loss divides mean_d((mean - mean_ref)^2) by 2 std_dev_t^2, so for the SDE kinds
+    its KL is the Gaussian KL per dim times (sigma - sigma_next): ``flow_kl(mean, mean_ref,
+    anchor_std(...))`` is its formula. std, sigma, sigma_next: (B,).
+    """
+    if kind not in STOCHASTIC_STEPS:
+        raise ValueError(f"kind must be one of {tuple(STOCHASTIC_STEPS)} (got {kind!r})")
+    std = std.to(torch.float32)
+    if kind in _TOTAL_STD_KINDS:
+        return std
+    return std / torch.sqrt(sigma.to(torch.float32) - sigma_next.to(torch.float32))
 
 
 def _check_values(kind: str, sigma: Tensor, sigma_next: Tensor, level: Tensor) -> None:
@@ -320,11 +377,12 @@ def transition(kind: str, velocity: Tensor, sample: Tensor, sigma: float | Tenso
                sigma_next: float | Tensor, *, noise_level: float | Tensor = 0.7,
                prev_sample: Tensor | None = None, generator: torch.Generator | None = None,
                noise: Tensor | None = None, reduce: str = "mean",
-               validate: bool = True) -> Transition:
+               validate: bool = True, log_prob: str = "exact",
+               schedule_bounds: tuple[float, float] | None = None) -> Transition:
     """One step from ``sample`` at ``sigma`` to ``sigma_next``: sample it, or score a given one.
 
     Args:
-        kind: "ode", "flow_sde", "dance_sde" or "cps" (table in the module docstring).
+        kind: "ode", "flow_sde", "dance_sde", "flash_sde" or "cps" (table in the module docstring).
         velocity: (B, ...) model velocity (after CFG), broadcastable to sample's shape.
         sample: x (B, ...), any float dtype (computed in float32).
         sigma, sigma_next: (B,) per-sample noise levels, or python floats / 0-d tensors
@@ -342,6 +400,10 @@ def transition(kind: str, velocity: Tensor, sample: Tensor, sigma: float | Tenso
         validate: check sigma/noise_level values (each check is a host sync on GPU). The rollout
             passes False: its schedule and noise level were validated once, with the config.
             Shape and kind checks always run.
+        log_prob: "exact" (Gaussian log-density) or "unscaled" (-mean_d (x' - mean)^2, Flow-GRPO's
+            CPS convention); see ``LOG_PROBS``.
+        schedule_bounds: (sigma_max, sigma_min) of the sampling schedule, its second and last
+            sigma; required by "flash_sde", ignored by the other kinds.
 
     Returns:
         Transition with float32 prev_sample, mean, std (B,) and log_prob (B,).
@@ -351,6 +413,8 @@ def transition(kind: str, velocity: Tensor, sample: Tensor, sigma: float | Tenso
         raise ValueError(f"kind must be one of {KINDS} (got {kind!r})")
     if reduce not in REDUCTIONS:
         raise ValueError(f"reduce must be one of {REDUCTIONS} (got {reduce!r})")
+    if log_prob not in LOG_PROBS:
+        raise ValueError(f"log_prob must be one of {LOG_PROBS} (got {log_prob!r})")
     x = _as_float32(sample, "sample")
     if x.ndim < 1:
         raise ValueError("sample must have a batch dimension (got a 0-d tensor)")
@@ -379,8 +443,12 @@ def transition(kind: str, velocity: Tensor, sample: Tensor, sigma: float | Tenso
         gaussian = StepGaussian.build(torch.ones_like(dt), dt, std, numel, reduce)
         return Transition(prev_sample=x_next, mean=mean, std=std,
                           log_prob=gaussian.log_prob(x_next.detach() - mean), gaussian=gaussian)
-    coef_x, coef_v, std = STOCHASTIC_STEPS[kind](sigma_t, sigma_next_t, level)
-    gaussian = StepGaussian.build(coef_x, coef_v, std, numel, reduce)
+    bounds = None
+    if schedule_bounds is not None:
+        bounds = tuple(_per_sample(value, name, batch, x.device, validate) for value, name in
+                       zip(schedule_bounds, ("schedule_bounds[0]", "schedule_bounds[1]")))
+    coef_x, coef_v, std = STOCHASTIC_STEPS[kind](sigma_t, sigma_next_t, level, bounds)
+    gaussian = StepGaussian.build(coef_x, coef_v, std, numel, reduce, log_prob)
     if prev_sample is not None:
         log_prob, mean = _score(v, x, x_next, gaussian)
     else:
@@ -601,3 +669,20 @@ def dynamic_shift_sigmas(num_steps: int, image_seq_len: int, base_seq_len: int =
     grid = torch.linspace(1.0, 1.0 / num_steps, num_steps, dtype=torch.float64)
     sigmas = exponential_time_shift(grid, mu).to(torch.float32)
     return torch.cat([sigmas, torch.zeros(1, dtype=torch.float32)])
+
+
+def shifted_linear_sigmas(num_steps: int, shift: float, start: float = 1.0) -> Tensor:
+    """(num_steps + 1,) float32: shift(linspace(start, 0, num_steps + 1)) with SD3's static shift.
+
+    start = 1: MixGRPO's FLUX schedule (``sd3_time_shift(shift, linspace(1, 0, N + 1))``).
+    start = 1 - 1/1000 = 0.999: the UniPC flow-sigma grid of the diffusers release Flash-GRPO's
+    Wan runs sampled on (shift(linspace(0.999, 0, N + 1)) without its last point, then 0): for
+    20 steps and shift 3 its timesteps are 999, 982, 963, 944, ... and sigmas[1] = 0.98242.
+    """
+    _check_num_steps(num_steps)
+    if not 0 < start <= 1:
+        raise ValueError(f"start must be in (0, 1] (got {start})")
+    grid = torch.linspace(start, 0.0, num_steps + 1, dtype=torch.float64)
+    sigmas = shift_sigma(grid, shift).to(torch.float32)
+    sigmas[-1] = 0.0
+    return sigmas

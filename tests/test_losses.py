@@ -310,3 +310,55 @@ def test_flow_kl_is_gaussian_kl_per_dim():
     expected = torch.distributions.kl_divergence(policy, reference) / (2 * 4 * 4)
     torch.testing.assert_close(kl, expected)
     assert flow_kl(mean, mean, std).abs().max().item() == 0.0
+
+
+def test_flow_kl_under_flow_grpo_convention_equals_flow_grpo_formula():
+    """Flow-GRPO's KL loss (scripts/train_sd3.py): ((mean - mean_ref)^2).mean(dims) /
+    (2 std_dev_t^2) with std_dev_t = sqrt(sigma / (1 - (sigma_max if sigma == 1 else sigma))) a
+    from sde_step_with_logprob (sigma_max = the schedule's second sigma). ``flow_kl`` given the
+    anchor's std (``sde.anchor_std``) is that formula; the exact convention is it / dt."""
+    from flowgrpo.sde import anchor_std, static_shift_sigmas, transition
+
+    sigmas = static_shift_sigmas(10, 3.0).double()
+    steps = torch.tensor([0, 3, 8])
+    sigma, sigma_next = sigmas[steps], sigmas[steps + 1]
+    a = 0.7
+    generator = torch.Generator().manual_seed(3)
+    mean = torch.randn(3, 16, 8, 8, generator=generator, dtype=torch.float64)
+    mean_ref = mean + 0.01 * torch.randn(3, 16, 8, 8, generator=generator, dtype=torch.float64)
+    # the anchor's formula, written out
+    sigma_max = sigmas[1]
+    std_dev_t = torch.sqrt(sigma / (1 - torch.where(sigma == 1, sigma_max, sigma))) * a
+    anchor = ((mean - mean_ref) ** 2).mean(dim=(1, 2, 3)) / (2 * std_dev_t ** 2)
+    # ours: the transition's total std, turned into the anchor's std_dev_t
+    total = transition("flow_sde", torch.zeros(3, 2), torch.zeros(3, 2), sigma, sigma_next,
+                       noise_level=a).std.double()
+    ours = flow_kl(mean, mean_ref, anchor_std("flow_sde", total, sigma, sigma_next).double())
+    torch.testing.assert_close(ours, anchor, rtol=1e-6, atol=0)
+    exact = flow_kl(mean, mean_ref, total)
+    torch.testing.assert_close(exact * (sigma - sigma_next), anchor, rtol=1e-5, atol=0)
+    # a beta copied from Flow-GRPO is 1 / dt stronger under the exact convention: 3.7x (step 8)
+    # to 25x (step 0) on the trained steps of SD3's 10-step schedule
+    ratio = exact / anchor
+    assert ratio[0].item() == pytest.approx(25.1, abs=0.1)
+    assert ratio[2].item() == pytest.approx(3.72, abs=0.01)
+
+
+def test_rectification_kappa_matches_flash_grpo_published_constants():
+    """Flash-GRPO's kappa table (scripts/train_wanx2_1_flash.py value_dict: 999 -> 7.4770, ...,
+    785 -> 3.7754) is 1 / (sqrt(-dt) / s + s sqrt(-dt) (1 - sigma) / (2 sigma)) with its noise
+    s = sigma_min + (sigma_max - sigma_min) sigma on the Wan grid it sampled; our kappa of the
+    flash_sde step reproduces every entry."""
+    from flowgrpo.sde import shifted_linear_sigmas, transition
+
+    published = {999: 7.4770, 982: 7.0414, 963: 6.6112, 944: 6.1867, 922: 5.7682, 899: 5.3559,
+                 874: 4.9502, 847: 4.5513, 817: 4.1596, 785: 3.7754}
+    sigmas = shifted_linear_sigmas(20, 3.0, start=0.999)
+    sigma, sigma_next = sigmas[:10], sigmas[1:11]
+    std = transition("flash_sde", torch.zeros(10, 4), torch.zeros(10, 4), sigma, sigma_next,
+                     noise_level=1.0, schedule_bounds=(sigmas[1].item(), sigmas[-1].item())).std
+    kappa = rectification_weights(sigma, sigma_next, std, normalize=False)
+    timesteps = [int(s * 1000) for s in sigma.tolist()]
+    assert timesteps == list(published)
+    assert kappa[0].item() == pytest.approx(7.4770, abs=5e-4)
+    torch.testing.assert_close(kappa, torch.tensor(list(published.values())), rtol=0, atol=5e-4)

@@ -1,5 +1,15 @@
-"""flowgrpo.plans: window sequences, determinism, per-group draws, compression and NFE."""
+"""flowgrpo.plans: window sequences, determinism, per-group draws, compression and NFE; the
+rollout's use of a plan (per-sample trained steps, the seeded DPM-Solver++ step after a window).
+
+MixGRPO facts used below come from its release (Tencent-Hunyuan/MixGRPO): the window schedule of
+fastvideo/utils/grpo_states.py (GRPOTrainingStates with max_timesteps = sampling_steps - 2,
+window = range(cur, min(cur + size, max_timesteps)), roll back when cur > max_timesteps), the
+post-window grid of fastvideo/utils/sampling_utils.py (int((N - last) ratio) points from the step
+after the window to 0, uniform in the unshifted time) and its DPMState, which holds the x0 of
+every step up to the window's last."""
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -8,11 +18,15 @@ from flowgrpo.plans import (
     PlanConfig,
     StepPlan,
     compress_schedule,
+    compressed_steps,
     make_plan,
     plan_seed,
+    sample_trained_steps,
+    window_schedule,
     window_start,
 )
-from flowgrpo.sde import dpmpp_2m_step, dynamic_shift_sigmas, static_shift_sigmas, transition
+from flowgrpo.sde import (dpmpp_2m_step, dynamic_shift_sigmas, shift_sigma, shifted_linear_sigmas,
+                          static_shift_sigmas, transition)
 
 
 def _starts(config: PlanConfig, num_steps: int, iterations, seed: int = 0) -> list[int]:
@@ -165,26 +179,64 @@ def test_one_step_k_differs_across_groups_and_is_shared_within_a_group():
 # ------------------------------------------------------------------------- compression, NFE
 
 
-def test_mixgrpo_flash_compressed_nfe_and_its_relation_to_the_paper():
-    """N = 25, window [0, 4): post-window r = 21 steps -> int(21 * ratio) steps.
-
-    Ours: ratio 0.4 -> 8 post steps -> NFE 12; Flash* ratio 0.2 -> 4 -> NFE 8. The paper reports
-    11 and 7: MixGRPO's code builds int((N - last_window_index) * ratio) = int(22 * ratio) schedule
-    *points* (both ends included) after the window, i.e. one step fewer (8 points = 7 steps).
-    """
+def test_mixgrpo_flash_compressed_nfe_equals_the_paper():
+    """N = 25, window [0, 4): MixGRPO builds int((N - last) ratio) = int(22 ratio) grid points
+    from the step after the window to 0, i.e. int(22 ratio) - 1 steps: Flash (0.4) 4 + 7 = 11
+    evaluations, Flash* (0.2) 4 + 3 = 7, the paper's counts."""
     base = dynamic_shift_sigmas(25, 4096)
     flash = PlanConfig(kind="window", window_stride=0, solver_after="dpmpp_2m", compress_ratio=0.4)
     plan = make_plan(flash, base, 0, 0, 0)
     assert plan.stochastic == (0, 1, 2, 3)
-    assert plan.nfe == 12 and plan.sigmas.shape == (13,)
+    assert plan.nfe == 11 and plan.sigmas.shape == (12,)
     assert torch.equal(plan.sigmas[:5], base[:5]) and plan.sigmas[-1] == 0
     assert bool((plan.sigmas[1:] < plan.sigmas[:-1]).all())
-    assert [plan.solver_for(i) for i in range(12)] == ["sde"] * 4 + ["dpmpp_2m"] * 8
+    assert [plan.solver_for(i) for i in range(11)] == ["sde"] * 4 + ["dpmpp_2m"] * 7
     flash_star = PlanConfig(kind="window", window_stride=0, solver_after="dpmpp_2m",
                             compress_ratio=0.2)
-    assert make_plan(flash_star, base, 0, 0, 0).nfe == 8
+    assert make_plan(flash_star, base, 0, 0, 0).nfe == 7
     uncompressed = make_plan(PlanConfig(kind="window", window_stride=0), base, 0, 0, 0)
     assert uncompressed.nfe == 25 and torch.equal(uncompressed.sigmas, base)
+    assert compressed_steps(21, 0.4) == 7 and compressed_steps(21, 0.2) == 3
+    assert compressed_steps(1, 0.4) == 1 and compressed_steps(5, 1.0) == 5
+
+
+def _anchor_nfe(start: int, size: int, num_steps: int, max_timesteps: int, ratio: float) -> int:
+    """MixGRPO-Flash's transformer calls per sample for a window starting at ``start``: every
+    step up to the window's last, then int((N - last) ratio) grid points after it (one step
+    fewer)."""
+    last = min(start + size, max_timesteps) - 1
+    points = int(max((num_steps - last) * ratio, 1))
+    return last + 1 + points - 1
+
+
+def test_nfe_over_a_whole_mixgrpo_flash_run_equals_the_released_count():
+    base = shifted_linear_sigmas(25, 3.0)
+    config = PlanConfig(kind="window", window_size=4, shift_interval=1, window_range=[0, 23],
+                        window_end="shrink", solver_after="dpmpp_2m", compress_ratio=0.4)
+    for iteration in range(23):
+        plan = make_plan(config, base, iteration, 0, 0, time_shift=3.0)
+        start = plan.stochastic[0]
+        assert start == iteration
+        anchor = _anchor_nfe(start, 4, 25, 23, 0.4)
+        if start + 4 <= 21:      # the anchor's grid degenerates (no post step) for the last starts
+            assert plan.nfe == anchor, start
+        assert plan.sigmas[-1] == 0
+
+
+def test_compressed_grid_is_uniform_in_the_unshifted_time_like_mixgrpo():
+    """With the base grid shift_3(linspace(1, 0, 26)) (MixGRPO's FLUX schedule) the post-window
+    grid is shift_3(linspace(t[last + 1], 0, points)) exactly, as MixGRPO's "post" strategy."""
+    base = shifted_linear_sigmas(25, 3.0)
+    config = PlanConfig(kind="window", window_size=4, shift_interval=1, window_range=[0, 23],
+                        solver_after="dpmpp_2m", compress_ratio=0.4)
+    for start in (0, 5, 12):
+        plan = make_plan(config, base, start, 0, 0, time_shift=3.0)
+        last = start + 3
+        points = int(max((25 - last) * 0.4, 1))
+        t = torch.linspace(1, 0, 26, dtype=torch.float64)[last + 1].item()
+        expected = shift_sigma(torch.linspace(t, 0, points, dtype=torch.float64), 3.0).float()
+        torch.testing.assert_close(plan.sigmas[last + 1:], expected, rtol=0, atol=1e-6)
+        assert torch.equal(plan.sigmas[:last + 1], base[:last + 1])
 
 
 def test_compressed_tail_follows_the_base_schedule_shape():
@@ -210,7 +262,7 @@ def test_progressive_compressed_window_keeps_ratio_of_the_remaining_steps():
                         compress_ratio=0.4)
     plan = make_plan(config, base, 10, 0, 0)           # window [10, 14), 11 steps remain
     assert plan.stochastic == (10, 11, 12, 13)
-    assert plan.nfe == 14 + 4                          # int(11 * 0.4) = 4 post steps
+    assert plan.nfe == 14 + 3                          # int(12 * 0.4) - 1 = 3 post steps
     late = make_plan(config, base, 20, 0, 0)           # window [20, 24), 1 step remains
     assert late.nfe == 25
 
@@ -266,7 +318,11 @@ def test_nfe_equals_velocity_evaluations_of_a_loop_over_the_plan(config):
     (dict(window_size=0), "sampling.plan.window_size"),
     (dict(window_stride=-1), "sampling.plan.window_stride"),
     (dict(shift_interval=0), "sampling.plan.shift_interval"),
-    (dict(window_strategy="decay"), "sampling.plan.window_strategy"),
+    (dict(window_strategy="linear"), "sampling.plan.window_strategy"),
+    (dict(window_end="wrap"), "sampling.plan.window_end"),
+    (dict(decay_min_interval=0), "sampling.plan.decay_min_interval"),
+    (dict(decay_max_interval=2, decay_min_interval=3), "sampling.plan.decay_max_interval"),
+    (dict(exp_decay_rate=-0.1), "sampling.plan.exp_decay_rate"),
     (dict(window_range=(3, 3)), "sampling.plan.window_range"),
     (dict(window_range=(0, 10)), "sampling.plan.window_range"),
     (dict(window_range=(0,)), "sampling.plan.window_range"),
@@ -335,3 +391,194 @@ def test_step_noise_is_per_sample_and_independent_of_batching_and_start():
         together(5)
     with pytest.raises(ValueError, match="not a remaining SDE step"):
         StepNoise((2,), torch.tensor([0]), steps, settings)(2)
+
+
+# ------------------------------------------------------------------------- MixGRPO's schedule
+
+
+class _AnchorWindow:
+    """MixGRPO's GRPOTrainingStates for the strategies progressive / decay / exp_decay with
+    prog_overlap (a stride), written from its released rules: get the window, then update."""
+
+    def __init__(self, strategy, interval, size, max_timesteps, stride=1, roll_back=True,
+                 max_iters=10, min_iters=1, threshold=13, rate=0.1):
+        self.strategy, self.interval, self.size = strategy, interval, size
+        self.max_timesteps, self.stride, self.roll_back = max_timesteps, stride, roll_back
+        self.max_iters, self.min_iters, self.threshold, self.rate = max_iters, min_iters, \
+            threshold, rate
+        self.cur, self.in_group = 0, 0
+
+    def timesteps(self) -> list[int]:
+        return list(range(self.cur, min(self.cur + self.size, self.max_timesteps)))
+
+    def _iters(self) -> float:
+        if self.strategy == "decay":
+            progress = self.cur / self.max_timesteps
+            return max(self.min_iters, int(self.max_iters * (1 - progress)
+                                           + self.min_iters * progress))
+        if self.strategy == "exp_decay":
+            return math.ceil(self.interval * math.exp(-self.rate * max(0, self.cur
+                                                                       - self.threshold)))
+        return self.interval
+
+    def update(self) -> None:
+        self.in_group += 1
+        if self.in_group >= self._iters():
+            self.in_group = 0
+            self.cur += self.stride
+        if self.cur > self.max_timesteps:
+            if self.roll_back:
+                self.cur, self.in_group = 0, 0
+            else:
+                self.cur = self.max_timesteps
+
+
+@pytest.mark.parametrize("strategy,interval", [("progressive", 25), ("progressive", 20),
+                                               ("decay", 25), ("exp_decay", 25), ("exp_decay", 5)])
+@pytest.mark.parametrize("roll_back", [True, False])
+def test_window_positions_over_a_run_equal_mixgrpo_schedule(strategy, interval, roll_back):
+    """MixGRPO's released settings (25 steps, window 4, stride 1, max_timesteps 23, decay
+    max/min 10/1, exp_decay threshold 13 and rate 0.1): over more than two cycles every window,
+    including the shrinking end and the empty position before the roll back, equals the anchor."""
+    config = PlanConfig(kind="window", window_size=4, window_stride=1, shift_interval=interval,
+                        window_strategy=strategy, window_range=[0, 23], window_end="shrink_empty",
+                        roll_back=roll_back, decay_max_interval=10, decay_min_interval=1)
+    anchor = _AnchorWindow(strategy, interval, 4, 23, roll_back=roll_back)
+    base = shifted_linear_sigmas(25, 3.0)
+    cycle = sum(iterations for _, iterations in window_schedule(config, 25))
+    seen_shrunk = seen_empty = False
+    for iteration in range(2 * cycle + 7):
+        expected = anchor.timesteps()
+        anchor.update()
+        plan = make_plan(config, base, iteration, group_id=3, seed=0)
+        assert list(plan.stochastic) == expected, iteration
+        assert plan.trained == plan.stochastic
+        seen_shrunk |= 0 < len(expected) < 4
+        seen_empty |= not expected
+    assert seen_shrunk and seen_empty
+
+
+def test_window_end_variants_and_the_schedule_they_walk():
+    def ends(window_end):
+        config = PlanConfig(kind="window", window_size=4, shift_interval=1, window_range=[0, 23],
+                            window_end=window_end)
+        return [start for start, _ in window_schedule(config, 25)]
+
+    assert ends("fit")[-1] == 19 and ends("shrink")[-1] == 22 and ends("shrink_empty")[-1] == 23
+    shrink = PlanConfig(kind="window", window_size=4, shift_interval=1, window_range=[0, 23],
+                        window_end="shrink")
+    base = shifted_linear_sigmas(25, 3.0)
+    windows = [make_plan(shrink, base, it, 0, 0).stochastic for it in range(20, 25)]
+    assert windows == [(20, 21, 22), (21, 22), (22,), (0, 1, 2, 3), (1, 2, 3, 4)]
+    decay = PlanConfig(kind="window", window_strategy="decay", window_range=[0, 23],
+                       window_end="shrink_empty", decay_max_interval=10, decay_min_interval=1)
+    intervals = [it for _, it in window_schedule(decay, 25)]
+    assert intervals[0] == 10 and intervals[-1] == 1 and intervals == sorted(intervals, reverse=True)
+    exp = PlanConfig(kind="window", window_strategy="exp_decay", shift_interval=25)
+    intervals = [it for _, it in window_schedule(exp, 25)]
+    assert intervals[:14] == [25] * 14 and intervals[14] == math.ceil(25 * math.exp(-0.1))
+
+
+# ------------------------------------------------------------------------- the rollout of a plan
+
+
+class _AffineModel:
+    """A FlowModel stand-in whose velocity is row-wise affine in x (no batch coupling)."""
+
+    device = torch.device("cpu")
+    dtype = torch.float32
+
+    def __init__(self):
+        self.calls = []
+
+    def velocity(self, x, sigma, cond, guidance_scale):
+        self.calls.append(x.shape[0])
+        return 0.3 * x - sigma.reshape(-1, *[1] * (x.ndim - 1)) * 0.5 + 0.1
+
+
+class _Cond:
+    def select(self, index):
+        return self
+
+
+def _settings(**changes):
+    from flowgrpo.rollout import RolloutSettings
+
+    values = dict(kind="flow_sde", noise_level=0.7, guidance_scale=1.0, batch_size=4,
+                  share_initial_noise=False, seed=0, iteration=0)
+    values.update(changes)
+    return RolloutSettings(**values)
+
+
+def test_first_post_window_dpm_step_is_second_order_when_seeded():
+    """run_plan seeds DPM-Solver++(2M) with the window's last x0 estimate (MixGRPO's DPMState
+    holds it), so the first post-window step is second order; unseeded it would be first order."""
+    from flowgrpo.rollout import run_plan
+
+    config = PlanConfig(kind="window", window_size=2, window_stride=0, window_range=[2, 9],
+                        solver_after="dpmpp_2m", compress_ratio=0.5)
+    plan = make_plan(config, static_shift_sigmas(10, 3.0), 0, 0, 0)
+    assert plan.stochastic == (2, 3)
+    model = _AffineModel()
+    x0 = torch.randn(3, 4, generator=torch.Generator().manual_seed(0))
+    rows, ids = torch.arange(3), torch.arange(3)
+    # noise level 0: the window's SDE steps are Euler, so the whole trajectory is deterministic
+    out, replay, calls = run_plan(model, plan, x0, _Cond(), rows, ids, _settings(noise_level=0.0))
+    assert calls == plan.nfe and len(replay) == 2
+
+    def reference(seeded: bool):
+        x = x0.clone()
+        prev_x0 = prev_sigma = None
+        for i in range(plan.num_steps):
+            sigma, sigma_next = plan.sigmas[i].expand(3), plan.sigmas[i + 1].expand(3)
+            v = model.velocity(x, sigma, None, 1.0)
+            if i <= 3:
+                if i == 3 and seeded:
+                    prev_x0, prev_sigma = x - sigma[:, None] * v, sigma
+                x = transition("ode", v, x, sigma, sigma_next).prev_sample
+            else:
+                x, x0_hat = dpmpp_2m_step(x, v, sigma, sigma_next, prev_x0=prev_x0,
+                                          prev_sigma=prev_sigma, final=i == plan.num_steps - 1)
+                prev_x0, prev_sigma = x0_hat, sigma
+        return x
+
+    torch.testing.assert_close(out, reference(seeded=True), rtol=0, atol=1e-6)
+    assert not torch.allclose(out, reference(seeded=False), atol=1e-4)
+
+
+def test_dance_grpo_per_sample_trained_steps_split_the_call_and_keep_the_trajectory():
+    """train_select random_per_sample (DanceGRPO's per-sample permutation): each sample trains its
+    own int(N fraction) steps; a step's call is split into the rows that train it and the others,
+    each replay batch holds exactly the rows that train its step, and the trajectory is the one an
+    unsplit call gives."""
+    from flowgrpo.rollout import run_plan
+
+    config = PlanConfig(kind="full", train_fraction=0.6, train_select="random_per_sample")
+    base = static_shift_sigmas(10, 3.0)
+    plan = make_plan(config, base, 4, 0, 7)
+    assert plan.trained == plan.stochastic == tuple(range(9))
+    subsets = [sample_trained_steps(config, plan, 4, sid, 7) for sid in range(6)]
+    assert all(len(steps) == 6 and set(steps) <= set(plan.stochastic) for steps in subsets)
+    assert len(set(subsets)) > 1                                      # per sample, not per group
+    assert subsets[2] == sample_trained_steps(config, plan, 4, 2, 7)   # a pure function
+    assert subsets[2] != sample_trained_steps(config, plan, 5, 2, 7)
+    per_group = PlanConfig(kind="full", train_fraction=0.6, train_select="random")
+    group_plan = make_plan(per_group, base, 4, 0, 7)
+    assert sample_trained_steps(per_group, group_plan, 4, 2, 7) == group_plan.trained
+
+    x0 = torch.randn(6, 5, generator=torch.Generator().manual_seed(1))
+    rows, ids = torch.arange(6), torch.arange(6)
+    split_model, whole_model = _AffineModel(), _AffineModel()
+    split, replay, _ = run_plan(split_model, plan, x0, _Cond(), rows, ids, _settings(),
+                                row_trained=subsets)
+    whole, whole_replay, _ = run_plan(whole_model, plan, x0, _Cond(), rows, ids, _settings())
+    torch.testing.assert_close(split, whole, rtol=0, atol=1e-6)
+    for batch in replay:
+        expected = [r for r in range(6) if batch.step in subsets[r]]
+        assert batch.rows.tolist() == expected
+        reference = next(b for b in whole_replay if b.step == batch.step)
+        torch.testing.assert_close(batch.logp_old, reference.logp_old[batch.rows], rtol=0,
+                                   atol=1e-6)
+    assert sum(len(b.rows) for b in replay) == 6 * 6
+    assert len(split_model.calls) > len(whole_model.calls)           # mixed steps were split
+

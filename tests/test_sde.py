@@ -18,6 +18,7 @@ import torch
 from flowgrpo.sde import (
     KINDS,
     ODE_SOLVERS,
+    anchor_std,
     calculate_shift,
     dpmpp_2m_step,
     dynamic_shift_sigmas,
@@ -25,12 +26,21 @@ from flowgrpo.sde import (
     StepGaussian,
     score_step,
     shift_sigma,
+    shifted_linear_sigmas,
     static_shift_sigmas,
     transition,
 )
 
 M, S0 = 1.5, 0.5
-STOCHASTIC = ("flow_sde", "dance_sde", "cps")
+STOCHASTIC = ("flow_sde", "dance_sde", "flash_sde", "cps")
+BOUNDS = (0.98, 0.02)          # flash_sde's (sigma_max, sigma_min) in the generic tests
+
+
+def _transition(kind, *args, **kwargs):
+    """``transition`` with flash_sde's schedule bounds filled in (BOUNDS)."""
+    if kind == "flash_sde":
+        kwargs.setdefault("schedule_bounds", BOUNDS)
+    return transition(kind, *args, **kwargs)
 
 
 def _gaussian_velocity(x: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
@@ -54,6 +64,9 @@ def _reference_mean_std(kind, v, x, sigma, sigma_next, a):
         return x + (v + col(s ** 2 / (2 * sigma)) * eps_hat) * col(dt), s * torch.sqrt(-dt)
     if kind == "dance_sde":
         return x + (v + col(a ** 2 / (2 * sigma)) * eps_hat) * col(dt), a * torch.sqrt(-dt)
+    if kind == "flash_sde":
+        s = a * (BOUNDS[1] + (BOUNDS[0] - BOUNDS[1]) * sigma)
+        return x + (v + col(s ** 2 / (2 * sigma)) * eps_hat) * col(dt), s * torch.sqrt(-dt)
     std = sigma_next * torch.sin(a * math.pi / 2)
     return col(1 - sigma_next) * x0_hat + col(torch.sqrt(sigma_next ** 2 - std ** 2)) * eps_hat, std
 
@@ -71,7 +84,7 @@ def _reference_mean_std(kind, v, x, sigma, sigma_next, a):
     ("cps", 1.0 / 3.0, 0.75 * 0.75 + math.sqrt(0.0625 - 0.015625) * 1.25, 0.125),
 ])
 def test_scalar_step_matches_hand_computed_values(kind, noise_level, mean, std):
-    out = transition(kind, torch.full((1, 1), 0.5), torch.ones(1, 1), 0.5, 0.25,
+    out = _transition(kind, torch.full((1, 1), 0.5), torch.ones(1, 1), 0.5, 0.25,
                      noise_level=noise_level, noise=torch.full((1, 1), 2.0))
     assert out.mean.item() == pytest.approx(mean, abs=1e-6)
     assert out.std.item() == pytest.approx(std, abs=1e-6)
@@ -88,7 +101,7 @@ def test_mean_std_log_prob_match_reference_formulas(kind):
     sigma = torch.tensor([1.0, 0.6, 0.3])
     sigma_next = torch.tensor([0.95, 0.4, 0.0])
     a = torch.tensor([0.7, 0.5, 0.9])
-    out = transition(kind, v, x, sigma, sigma_next, noise_level=a, generator=gen)
+    out = _transition(kind, v, x, sigma, sigma_next, noise_level=a, generator=gen)
 
     ref_mean, ref_std = _reference_mean_std(kind, v.double(), x.double(), sigma.double(),
                                             sigma_next.double(), a.double())
@@ -113,7 +126,7 @@ def test_mean_std_log_prob_match_reference_formulas(kind):
     ref_logp = normal.log_prob(out.prev_sample[rows].double()).mean(dim=(1, 2))
     torch.testing.assert_close(out.log_prob[rows].double(), ref_logp, rtol=1e-5, atol=1e-5)
     assert torch.equal(out.log_prob[~stochastic_rows], torch.zeros(int((~stochastic_rows).sum())))
-    summed = transition(kind, v, x, sigma, sigma_next, noise_level=a,
+    summed = _transition(kind, v, x, sigma, sigma_next, noise_level=a,
                         prev_sample=out.prev_sample, reduce="sum")
     torch.testing.assert_close(summed.log_prob, out.log_prob * 8, rtol=1e-5, atol=1e-5)
 
@@ -134,7 +147,7 @@ def test_noise_level_zero_rows_equal_euler():
     euler = transition("ode", v, x, sigma, sigma_next).prev_sample
     mixed = torch.tensor([0.7, 0.0, 0.4])
     for kind in STOCHASTIC:
-        out = transition(kind, v, x, sigma, sigma_next, noise_level=mixed, generator=gen)
+        out = _transition(kind, v, x, sigma, sigma_next, noise_level=mixed, generator=gen)
         assert out.std[1] == 0 and out.log_prob[1] == 0
         assert (out.std[[0, 2]] > 0).all()
         if kind == "cps":  # equal in exact arithmetic: (1-s')(x - s v) + s'(x + (1-s) v) = x + v dt
@@ -186,8 +199,8 @@ def test_replay_log_prob_is_bitwise_equal_to_sampling(kind):
     x, v = torch.randn(4, 3, 6, 6, generator=gen), torch.randn(4, 3, 6, 6, generator=gen)
     sigma, sigma_next = torch.tensor([1.0, 0.8, 0.5, 0.2]), torch.tensor([0.9, 0.6, 0.3, 0.1])
     for reduce in ("mean", "sum"):
-        sampled = transition(kind, v, x, sigma, sigma_next, generator=gen, reduce=reduce)
-        replayed = transition(kind, v, x, sigma, sigma_next, prev_sample=sampled.prev_sample,
+        sampled = _transition(kind, v, x, sigma, sigma_next, generator=gen, reduce=reduce)
+        replayed = _transition(kind, v, x, sigma, sigma_next, prev_sample=sampled.prev_sample,
                               reduce=reduce)
         assert torch.equal(replayed.log_prob, sampled.log_prob)
         assert torch.equal(replayed.mean, sampled.mean)
@@ -202,8 +215,8 @@ def test_bf16_inputs_give_float32_outputs_of_the_rounded_inputs(kind):
     noise = torch.randn(2, 3, 4, generator=gen)
     sigma = torch.tensor([0.9, 0.55]).bfloat16()
     sigma_next = torch.tensor([0.7, 0.3]).bfloat16()
-    low = transition(kind, v, x, sigma, sigma_next, noise=noise)
-    high = transition(kind, v.float(), x.float(), sigma.float(), sigma_next.float(), noise=noise)
+    low = _transition(kind, v, x, sigma, sigma_next, noise=noise)
+    high = _transition(kind, v.float(), x.float(), sigma.float(), sigma_next.float(), noise=noise)
     for name in ("prev_sample", "mean", "std", "log_prob"):
         assert getattr(low, name).dtype == torch.float32
         assert torch.equal(getattr(low, name), getattr(high, name)), name
@@ -218,7 +231,7 @@ def test_score_step_replays_the_sampled_step_bit_for_bit(kind):
     sigma, sigma_next = torch.tensor([1.0, 0.8, 0.5, 0.2]), torch.tensor([0.9, 0.6, 0.3, 0.0])
     level = torch.tensor([0.7, 0.0, 0.5, 0.9])          # a zero-noise row: std 0, log-prob 0
     for reduce in ("mean", "sum"):
-        sampled = transition(kind, v, x, sigma, sigma_next, noise_level=level, generator=gen,
+        sampled = _transition(kind, v, x, sigma, sigma_next, noise_level=level, generator=gen,
                              reduce=reduce)
         logp, mean = score_step(v.clone().requires_grad_(), x, sampled.prev_sample,
                                 sampled.gaussian)
@@ -240,7 +253,7 @@ def test_score_step_closed_form_gradient_equals_autograd(kind, reduce):
     gen = torch.Generator().manual_seed(12)
     x = torch.randn(3, 2, 4, 4, generator=gen)
     v = torch.randn(3, 2, 4, 4, generator=gen)
-    sampled = transition(kind, v, x, torch.tensor([1.0, 0.6, 0.3]), torch.tensor([0.8, 0.4, 0.1]),
+    sampled = _transition(kind, v, x, torch.tensor([1.0, 0.6, 0.3]), torch.tensor([0.8, 0.4, 0.1]),
                          noise_level=torch.tensor([0.7, 0.0, 0.9]), generator=gen, reduce=reduce)
     weight_logp = torch.randn(3, generator=gen)
     weight_mean = torch.randn(3, 2, 4, 4, generator=gen)
@@ -337,7 +350,7 @@ def test_transition_validation_names_the_argument(change, match):
     kind, velocity, sample = args.pop("kind"), args.pop("velocity"), args.pop("sample")
     sigma, sigma_next = args.pop("sigma"), args.pop("sigma_next")
     with pytest.raises(ValueError, match=match):
-        transition(kind, velocity, sample, sigma, sigma_next, **args)
+        _transition(kind, velocity, sample, sigma, sigma_next, **args)
 
 
 def test_dpmpp_validation_names_the_argument():
@@ -401,7 +414,7 @@ def _run_chain(kind, noise_level, sigmas, num_samples=20_000, dims=2, seed=0):
     for step in range(len(sigmas) - 1):
         sigma = sigmas[step].expand(num_samples)
         sigma_next = sigmas[step + 1].expand(num_samples)
-        x = transition(kind, _gaussian_velocity(x, sigma), x, sigma, sigma_next,
+        x = _transition(kind, _gaussian_velocity(x, sigma), x, sigma, sigma_next,
                        noise_level=noise_level, generator=gen).prev_sample
     return x.double()
 
@@ -554,3 +567,121 @@ def test_dynamic_shift_sigmas_match_diffusers_flux(num_steps, image_seq_len):
     scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / num_steps, num_steps), mu=mu)
     torch.testing.assert_close(dynamic_shift_sigmas(num_steps, image_seq_len), scheduler.sigmas,
                                rtol=0, atol=1e-6)
+
+
+# ------------------------------------------------------------------------- anchors: Flash-GRPO, CPS
+
+# Flash-GRPO's Wan runs sampled on the UniPC flow grid of the diffusers release it used (its
+# kappa table, scripts/train_wanx2_1_flash.py, is keyed by these timesteps).
+FLASH_TIMESTEPS = [999, 982, 963, 944, 922, 899, 874, 847, 817, 785]
+
+
+def test_shifted_linear_sigmas_reproduce_the_anchor_grids():
+    flash = shifted_linear_sigmas(20, 3.0, start=0.999)
+    assert [int(s * 1000) for s in flash[:10].tolist()] == FLASH_TIMESTEPS
+    assert flash.shape == (21,) and flash[-1] == 0 and bool((flash[1:] < flash[:-1]).all())
+    # MixGRPO: sd3_time_shift(3, linspace(1, 0, 26))
+    t = torch.linspace(1, 0, 26, dtype=torch.float64)
+    torch.testing.assert_close(shifted_linear_sigmas(25, 3.0), (3 * t / (1 + 2 * t)).float(),
+                               rtol=0, atol=1e-7)
+    with pytest.raises(ValueError, match="start"):
+        shifted_linear_sigmas(10, 3.0, start=1.5)
+
+
+def test_flash_sde_std_per_step_equals_flash_grpo_formula():
+    """std_dev_t = sigma_min + (sigma_max - sigma_min) sigma with sigma_max = sigmas[1] and
+    sigma_min = sigmas[-1] of the schedule (Flash-GRPO's sde_step_with_logprob), total std
+    std_dev_t sqrt(-dt); about 0.13 at the first step where flow_sde's a = 0.7 gives 0.7."""
+    sigmas = shifted_linear_sigmas(20, 3.0, start=0.999).double()
+    bounds = (sigmas[1].item(), sigmas[-1].item())
+    x, v = torch.randn(20, 3, 4), torch.randn(20, 3, 4)
+    out = transition("flash_sde", v, x, sigmas[:-1].float(), sigmas[1:].float(), noise_level=1.0,
+                     schedule_bounds=bounds)
+    std_dev_t = bounds[1] + (bounds[0] - bounds[1]) * sigmas[:-1]
+    expected = std_dev_t * torch.sqrt(sigmas[:-1] - sigmas[1:])
+    torch.testing.assert_close(out.std.double(), expected, rtol=1e-6, atol=1e-7)
+    assert out.std[0].item() == pytest.approx(0.129, abs=1e-3)
+    wan = static_shift_sigmas(20, 3.0)                 # the Wan adapter's grid: sigmas[0] = 1
+    flow = transition("flow_sde", v[:1], x[:1], wan[0], wan[1], noise_level=0.7)
+    assert flow.std.item() == pytest.approx(0.7, abs=1e-6)
+    # the anchor's std_dev_t is what anchor_std recovers
+    torch.testing.assert_close(anchor_std("flash_sde", out.std, sigmas[:-1].float(),
+                                          sigmas[1:].float()).double(), std_dev_t,
+                               rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="schedule_bounds"):
+        transition("flash_sde", v, x, sigmas[:-1].float(), sigmas[1:].float())
+
+
+def _anchor_cps_log_prob(velocity, sample, prev_sample, sigma, sigma_prev, noise_level):
+    """Flow-GRPO's CPS step (flow_grpo/diffusers_patch/sd3_sde_with_logprob.py): mean from the
+    predicted x0 and noise, log_prob = mean_d(-(x' - mean)^2) with every constant removed."""
+    col = lambda t: t.reshape(-1, *([1] * (sample.ndim - 1)))  # noqa: E731
+    std_dev_t = sigma_prev * math.sin(noise_level * math.pi / 2)
+    x0 = sample - col(sigma) * velocity
+    eps = sample + velocity * (1 - col(sigma))
+    mean = x0 * (1 - col(sigma_prev)) + eps * col(torch.sqrt(sigma_prev ** 2 - std_dev_t ** 2))
+    return (-((prev_sample - mean) ** 2)).flatten(1).mean(dim=1)
+
+
+def test_cps_unscaled_log_ratio_equals_the_anchor_quantity():
+    """With log_prob="unscaled" the log-ratio a replay sees is exactly Flow-GRPO's CPS quantity
+    (what its clip range 1e-5 acts on); the exact convention's log-ratio is it / (2 std^2)."""
+    gen = torch.Generator().manual_seed(21)
+    x = torch.randn(4, 2, 6, 6, generator=gen, dtype=torch.float64)
+    v_old = torch.randn(4, 2, 6, 6, generator=gen, dtype=torch.float64)
+    v_new = v_old + 0.05 * torch.randn(4, 2, 6, 6, generator=gen, dtype=torch.float64)
+    sigma = torch.tensor([1.0, 0.8, 0.5, 0.3], dtype=torch.float64)
+    sigma_next = torch.tensor([0.9, 0.6, 0.3, 0.1], dtype=torch.float64)
+    sampled = transition("cps", v_old, x, sigma, sigma_next, noise_level=0.8, generator=gen,
+                         log_prob="unscaled")
+    logp_new, _ = score_step(v_new.float(), x.float(), sampled.prev_sample, sampled.gaussian)
+    ours = (logp_new - sampled.log_prob).double()
+    prev = sampled.prev_sample.double()
+    anchor = (_anchor_cps_log_prob(v_new, x, prev, sigma, sigma_next, 0.8)
+              - _anchor_cps_log_prob(v_old, x, prev, sigma, sigma_next, 0.8))
+    torch.testing.assert_close(ours, anchor, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(sampled.log_prob.double(),
+                               _anchor_cps_log_prob(v_old, x, prev, sigma, sigma_next, 0.8),
+                               rtol=1e-5, atol=1e-6)
+    exact = transition("cps", v_old, x, sigma, sigma_next, noise_level=0.8,
+                       prev_sample=sampled.prev_sample)
+    exact_new = transition("cps", v_new, x, sigma, sigma_next, noise_level=0.8,
+                           prev_sample=sampled.prev_sample)
+    exact_ratio = (exact_new.log_prob - exact.log_prob).double()
+    torch.testing.assert_close(exact_ratio * 2 * exact.std.double() ** 2, anchor, rtol=1e-4,
+                               atol=1e-6)
+
+
+def test_unscaled_log_prob_replays_bit_for_bit_with_the_closed_form_gradient():
+    gen = torch.Generator().manual_seed(22)
+    x, v = torch.randn(3, 2, 4, 4, generator=gen), torch.randn(3, 2, 4, 4, generator=gen)
+    sampled = transition("cps", v, x, torch.tensor([1.0, 0.6, 0.3]), torch.tensor([0.8, 0.4, 0.0]),
+                         noise_level=0.8, generator=gen, log_prob="unscaled")
+    assert sampled.log_prob[2] == 0                      # sigma_next = 0: deterministic row
+    grads = []
+    for gaussian in (sampled.gaussian, dataclasses.replace(
+            sampled.gaussian, coef_x=sampled.gaussian.coef_x.clone().requires_grad_())):
+        velocity = (v + 0.1).requires_grad_()
+        logp, _ = score_step(velocity, x, sampled.prev_sample, gaussian)
+        logp.sum().backward()
+        grads.append(velocity.grad)
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-5, atol=1e-6)
+    logp, _ = score_step(v, x, sampled.prev_sample, sampled.gaussian)
+    assert torch.equal(logp, sampled.log_prob)
+    with pytest.raises(ValueError, match="log_prob"):
+        transition("cps", v, x, 0.5, 0.3, log_prob="exactish")
+
+
+def test_anchor_std_is_the_anchors_std_dev_t():
+    sigma = torch.tensor([1.0, 0.7, 0.4])
+    sigma_next = torch.tensor([0.9, 0.5, 0.1])
+    x, v = torch.randn(3, 5), torch.randn(3, 5)
+    flow = transition("flow_sde", v, x, sigma, sigma_next, noise_level=0.7)
+    sigma_tilde = torch.where(sigma == 1, sigma_next, sigma)
+    torch.testing.assert_close(anchor_std("flow_sde", flow.std, sigma, sigma_next),
+                               0.7 * torch.sqrt(sigma / (1 - sigma_tilde)))
+    cps = transition("cps", v, x, sigma, sigma_next, noise_level=0.8)
+    assert torch.equal(anchor_std("cps", cps.std, sigma, sigma_next), cps.std)
+    dance = transition("dance_sde", v, x, sigma, sigma_next, noise_level=0.5)
+    torch.testing.assert_close(anchor_std("dance_sde", dance.std, sigma, sigma_next),
+                               torch.full((3,), 0.5))
