@@ -30,6 +30,7 @@ from flowgrpo.plans import PlanConfig
 
 
 LR_DECAYS = ("constant", "linear", "cosine")
+SIGMA_SCHEDULES = ("model", "shifted_linear")
 
 
 class InputError(ValueError):
@@ -130,9 +131,26 @@ class SamplingConfig:
     num_steps: int = _help("Denoising steps of a training rollout. Flow-GRPO SD3: 10.", default=10)
     eval_num_steps: int = _help("Steps of the deterministic evaluation sampler. Flow-GRPO: 40.",
                                 default=20)
-    kind: str = _help("Transition of stochastic steps: flow_sde | dance_sde | cps.", default="flow_sde")
-    noise_level: float = _help("SDE noise: a for flow_sde/cps (0.7 / 0.8), eta for dance_sde.",
-                               default=0.7)
+    kind: str = _help("Transition of stochastic steps: flow_sde | dance_sde | flash_sde | cps "
+                      "(flowgrpo/sde.py).", default="flow_sde")
+    noise_level: float = _help(
+        "SDE noise: a for flow_sde/cps (0.7 / 0.8), eta for dance_sde, a multiplier of "
+        "Flash-GRPO's s = s_min + (s_max - s_min) sigma for flash_sde (Flash-GRPO: 1).",
+        default=0.7)
+    log_prob: str = _help(
+        "Log-prob of a step: 'exact' (Gaussian log-density, every anchor's SDE kinds) or "
+        "'unscaled' (-mean_d (x' - mean)^2, Flow-GRPO's CPS: its log-ratios are 2 std^2 times "
+        "the exact ones, which its clip range 1e-5 is sized for); 'unscaled' needs kind: cps.",
+        default="exact")
+    sigma_schedule: str = _help(
+        "Schedule of training rollouts: 'model' (the checkpoint scheduler's, what its stock "
+        "pipeline samples) or 'shifted_linear' (shift(linspace(sigma_schedule_start, 0, N + 1)) "
+        "with static shift sigma_shift: MixGRPO's FLUX grid (start 1, shift 3), Flash-GRPO's Wan "
+        "grid (start 0.999, shift 3)). Evaluation keeps the model's schedule.", default="model")
+    sigma_shift: float = _help("Static shift of sigma_schedule: shifted_linear.", default=3.0)
+    sigma_schedule_start: float = _help(
+        "First point of the unshifted grid of sigma_schedule: shifted_linear, in (0, 1].",
+        default=1.0)
     guidance_scale: float = _help(
         "CFG scale during rollouts and training; <= 1 runs CFG-free (distils CFG). For FLUX.1 the "
         "guidance-embedding value.", default=1.0)
@@ -181,6 +199,15 @@ class TrainingConfig:
                                     default=None)
     kl_beta: float = _help("Weight of the KL to the reference (LoRA disabled). 0.04 GenEval/OCR.",
                            default=0.0)
+    kl_convention: str = _help(
+        "What the KL divides by: 'exact' (the step's total std: the Gaussian KL per dim) or "
+        "'flow_grpo' (the anchor's std_dev_t, s without sqrt(dt): Flow-GRPO's formula, the exact "
+        "KL times sigma - sigma_next; use it with Flow-GRPO's beta).", default="exact")
+    kl_reward: float = _help(
+        "Flow-GRPO's KL reward: subtract kl_reward * KL (the step KL of kl_convention to the "
+        "reference, averaged over the sample's trained steps, computed during the rollout) from "
+        "the total reward before the advantages (0 = off; needs rewards.aggregation: "
+        "weighted_sum).", default=0.0)
     adv_scale: str = _help("Advantage normalisation: group | batch | none (Dr.GRPO).", default="group")
     adv_ddof: int = _help("Std degrees of freedom: 0 (Flow-GRPO) or 1 (TRL, DanceGRPO).", default=0)
     adv_eps: float = _help("Added to the std.", default=1e-4)
@@ -188,7 +215,15 @@ class TrainingConfig:
     num_inner_epochs: int = _help("Passes over each rollout batch.", default=1)
     gradient_accumulation_steps: int = _help(
         "Replay batches per optimiser step on each process; 0 = all of an inner epoch (one step "
-        "per epoch, which makes the update the same on any number of processes).", default=0)
+        "per epoch, which makes the update the same on any number of processes). One step per "
+        "epoch scores every replay before the only step: the ratio is 1 and clipping never acts.",
+        default=0)
+    optimizer_steps_per_epoch: int = _help(
+        "Optimiser steps per inner epoch (Flow-GRPO: 2; MixGRPO: 4; Flash-GRPO: 2); when > 0 it "
+        "sets gradient_accumulation_steps at start to ceil(replay batches per process / this), "
+        "from the batch, rollout_batch_size, plan and process count (at most this many steps; "
+        "exactly this many when the count divides). 0 = use gradient_accumulation_steps.",
+        default=0)
     ratio_norm: bool = _help("GRPO-Guard RatioNorm on the log-ratio.", default=False)
     dt_reweight: bool = _help("GRPO-Guard 1/dt gradient reweighting (normalised by batch mean).",
                               default=False)
@@ -522,9 +557,9 @@ def _registry_choices() -> dict[str, tuple[str, ...]]:
     source: adding a model family, policy or scaling there makes it valid here). Imported on
     use: each import is light (no model libraries), and the policy module imports this one."""
     from flowgrpo.advantages import SCALES
-    from flowgrpo.losses import TOKEN_AGGREGATIONS, TOKEN_LEVELS
+    from flowgrpo.losses import KL_CONVENTIONS, TOKEN_AGGREGATIONS, TOKEN_LEVELS
     from flowgrpo.policy import POLICIES
-    from flowgrpo.sde import KINDS
+    from flowgrpo.sde import KINDS, LOG_PROBS
     from pipelines import MODEL_FAMILIES
     from reward_models.multi import AGGREGATIONS
 
@@ -533,6 +568,9 @@ def _registry_choices() -> dict[str, tuple[str, ...]]:
         "model.family": tuple(MODEL_FAMILIES),
         # "ode" is the deterministic evaluation step: it has no log-probability to train on.
         "sampling.kind": tuple(k for k in KINDS if k != "ode"),
+        "sampling.log_prob": tuple(LOG_PROBS),
+        "sampling.sigma_schedule": SIGMA_SCHEDULES,
+        "training.kl_convention": tuple(KL_CONVENTIONS),
         "training.adv_scale": tuple(SCALES),
         "training.lr_decay": LR_DECAYS,
         "rewards.aggregation": tuple(AGGREGATIONS),
@@ -616,6 +654,17 @@ def validate(config: TrainConfig, num_processes: int = 1) -> None:
     if s.kind == "cps" and s.noise_level > 1:
         raise ConfigError(f"sampling.noise_level is the CPS angle fraction a and must be in [0, 1] "
                           f"(got {s.noise_level})")
+    _choice(s.log_prob, choices["sampling.log_prob"], "sampling.log_prob")
+    if s.log_prob == "unscaled" and s.kind != "cps":
+        raise ConfigError(f"sampling.log_prob: unscaled is Flow-GRPO's CPS log-prob and needs "
+                          f"sampling.kind: cps (got kind {s.kind!r}); use log_prob: exact")
+    if s.log_prob == "unscaled" and config.training.ratio_norm:
+        raise ConfigError("training.ratio_norm (GRPO-Guard) needs the exact log-prob: set "
+                          "sampling.log_prob: exact or training.ratio_norm: false")
+    _choice(s.sigma_schedule, choices["sampling.sigma_schedule"], "sampling.sigma_schedule")
+    _positive(s.sigma_shift, "sampling.sigma_shift")
+    _in_range(s.sigma_schedule_start, 0.0, 1.0, "sampling.sigma_schedule_start", low_open=True,
+              meaning=" (the first unshifted point of sigma_schedule: shifted_linear)")
     _positive(s.rollout_batch_size, "sampling.rollout_batch_size")
     if config.policy == "flow":
         try:
@@ -650,10 +699,23 @@ def validate(config: TrainConfig, num_processes: int = 1) -> None:
     if t.clip_high is not None:
         _positive(t.clip_high, "training.clip_high")
     _positive(t.kl_beta, "training.kl_beta", allow_zero=True)
+    _choice(t.kl_convention, choices["training.kl_convention"], "training.kl_convention")
+    _positive(t.kl_reward, "training.kl_reward", allow_zero=True)
+    if t.kl_reward > 0 and config.rewards.aggregation != "weighted_sum":
+        raise ConfigError(f"training.kl_reward subtracts the KL from the total reward, which "
+                          f"rewards.aggregation: {config.rewards.aggregation} does not use: set "
+                          f"rewards.aggregation: weighted_sum or training.kl_reward: 0")
     if t.adv_ddof not in (0, 1):
         raise ConfigError(f"training.adv_ddof must be 0 or 1 (got {t.adv_ddof})")
     _positive(t.num_inner_epochs, "training.num_inner_epochs")
     _positive(t.gradient_accumulation_steps, "training.gradient_accumulation_steps", allow_zero=True)
+    _positive(t.optimizer_steps_per_epoch, "training.optimizer_steps_per_epoch", allow_zero=True)
+    if t.optimizer_steps_per_epoch and config.policy != "flow":
+        raise ConfigError("training.optimizer_steps_per_epoch is for policy: flow (it counts "
+                          "replay batches); set training.gradient_accumulation_steps instead")
+    if config.policy != "flow" and (t.kl_reward or s.sigma_schedule != "model"):
+        raise ConfigError("training.kl_reward and sampling.sigma_schedule are for policy: flow; "
+                          "leave them at 0 / model")
     _choice(t.mixed_precision, ("no", "fp16", "bf16"), "training.mixed_precision")
     _positive(t.max_consecutive_skipped_steps, "training.max_consecutive_skipped_steps",
               allow_zero=True)

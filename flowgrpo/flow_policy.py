@@ -21,7 +21,8 @@ from flowgrpo.dtypes import parse_dtype
 from flowgrpo.losses import (check_weights, flow_kl, guard_log_ratio, guard_step_weights,
                              policy_loss, rectification_weights, surrogate_stats)
 from flowgrpo.passk import family_mean_se, mean_and_se
-from flowgrpo.plans import make_plan
+from flowgrpo.plans import make_plan, replay_steps_per_chunk, sample_trained_steps
+from flowgrpo.sde import anchor_std, shifted_linear_sigmas
 from flowgrpo.policy import (Through, eval_share, float32_trainable, frozen_reference,
                              gather_rows, swapped_attribute)
 from flowgrpo.prompts import eval_selection, record_images, reward_metadata
@@ -33,6 +34,47 @@ from reward_models import MultiReward
 
 def _mean(values: list[float]) -> float:
     return float(sum(values) / len(values)) if values else float("nan")
+
+
+# The key under which the rollout reports the KL of training.kl_reward (reward/<key>/mean).
+KL_REWARD_KEY = "kl_to_reference"
+
+
+def rollout_sigmas(config: TrainConfig, model) -> Tensor:
+    """(N + 1,) schedule of training rollouts: the model's (``sampling.sigma_schedule: model``)
+    or shift(linspace(start, 0, N + 1)) (``shifted_linear``: MixGRPO, Flash-GRPO)."""
+    s = config.sampling
+    if s.sigma_schedule == "shifted_linear":
+        return shifted_linear_sigmas(s.num_steps, s.sigma_shift, s.sigma_schedule_start)
+    return model.sigmas(s.num_steps)
+
+
+def replay_batches_per_process(config: TrainConfig, num_processes: int) -> int:
+    """Replay batches of one inner epoch on each process, before zero-variance groups are
+    skipped: rollout chunks (rows that share a plan, rollout_batch_size at a time) times the
+    trained steps of a trajectory. Plans shared by every group (full, window) chunk the process's
+    rows together; per-group plans (branch, one_step) chunk each group's rows on their own."""
+    import math
+
+    t, s = config.training, config.sampling
+    rows = t.prompts_per_iteration * t.group_size // num_processes
+    if s.plan.kind in ("branch", "one_step") and rows % t.group_size == 0:
+        chunks = (rows // t.group_size) * math.ceil(t.group_size / s.rollout_batch_size)
+    else:
+        chunks = math.ceil(rows / s.rollout_batch_size)
+    return chunks * replay_steps_per_chunk(s.plan, s.num_steps)
+
+
+def resolve_accumulation(config: TrainConfig, num_processes: int) -> None:
+    """``training.optimizer_steps_per_epoch`` > 0 sets ``gradient_accumulation_steps`` to
+    ceil(replay batches per process / steps), the same on every process (the trainer reads it
+    for each update)."""
+    import math
+
+    t = config.training
+    if t.optimizer_steps_per_epoch > 0:
+        count = replay_batches_per_process(config, num_processes)
+        t.gradient_accumulation_steps = max(1, math.ceil(count / t.optimizer_steps_per_epoch))
 
 
 def load_rewards(config: TrainConfig, device: torch.device):
@@ -60,7 +102,8 @@ class FlowPolicy:
         self.module: nn.Module = model.transformer
         self.trainable = self._setup_trainable(model.lora_target_modules)
         self.reference_module = frozen_reference(config, self.module)
-        self.base_sigmas = model.sigmas(config.sampling.num_steps)
+        self.base_sigmas = rollout_sigmas(config, model)
+        resolve_accumulation(config, accelerator.num_processes)
         self.engine_module: nn.Module = self.module
         self._cond_batch = None
 
@@ -112,10 +155,24 @@ class FlowPolicy:
 
     def settings(self, iteration: int) -> RolloutSettings:
         s = self.config.sampling
+        bounds = (float(self.base_sigmas[1]), float(self.base_sigmas[-1]))
         return RolloutSettings(kind=s.kind, noise_level=s.noise_level,
                                guidance_scale=s.guidance_scale, batch_size=s.rollout_batch_size,
                                share_initial_noise=s.share_initial_noise, seed=self.config.run.seed,
-                               iteration=iteration)
+                               iteration=iteration, log_prob=s.log_prob, schedule_bounds=bounds)
+
+    def time_shift(self) -> float | None:
+        """The static shift of the rollout schedule when it is shift(t) of a linear t grid
+        (MixGRPO-Flash's compressed grid is then uniform in t, as in its code)."""
+        s = self.config.sampling
+        return s.sigma_shift if s.sigma_schedule == "shifted_linear" else None
+
+    def kl_std(self, replay) -> Tensor:
+        """The std the KL divides by (``training.kl_convention``, see ``losses.flow_kl``)."""
+        if self.config.training.kl_convention == "flow_grpo":
+            return anchor_std(self.config.sampling.kind, replay.std, replay.sigmas,
+                              replay.sigmas_next)
+        return replay.std
 
     # ------------------------------------------------------------------ rollout
     def rollout(self, records: list[dict], group_ids: Tensor, sample_ids: Tensor, iteration: int
@@ -126,8 +183,14 @@ class FlowPolicy:
         metadata = [r["metadata"] for r in records]
         images = record_images(records)
         scored_metadata = reward_metadata(records)   # + "source_image" for editing rewards
-        plans = {int(g): make_plan(self.config.sampling.plan, self.base_sigmas, iteration, int(g),
-                                   self.config.run.seed) for g in group_ids.unique()}
+        plan_config, seed = self.config.sampling.plan, self.config.run.seed
+        plans = {int(g): make_plan(plan_config, self.base_sigmas, iteration, int(g), seed,
+                                   time_shift=self.time_shift()) for g in group_ids.unique()}
+        sample_trained = None
+        if plan_config.kind == "full" and plan_config.train_select == "random_per_sample":
+            sample_trained = {int(sid): sample_trained_steps(plan_config, plans[int(g)], iteration,
+                                                             int(sid), seed)
+                              for sid, g in zip(sample_ids.tolist(), group_ids.tolist())}
         futures: list[tuple[Tensor, Future]] = []
         reward_seconds: list[float] = []
         executor = ThreadPoolExecutor(max_workers=1) if self.config.rewards.threaded else None
@@ -151,7 +214,8 @@ class FlowPolicy:
         began = time.perf_counter()
         with torch.no_grad(), self.accelerator.autocast():
             batch = rollout(self.model, prompts, metadata, group_ids, sample_ids, plans,
-                            self.settings(iteration), on_media=on_media, images=images)
+                            self.settings(iteration), on_media=on_media, images=images,
+                            sample_trained=sample_trained)
         rollout_seconds = time.perf_counter() - began
         began = time.perf_counter()
         rewards: dict[str, Tensor] = {}
@@ -166,13 +230,41 @@ class FlowPolicy:
                 executor.shutdown()
         timing = {"time/rollout": rollout_seconds, "time/reward_wait": time.perf_counter() - began,
                   "time/reward_compute": sum(reward_seconds)}
+        if self.config.training.kl_reward > 0:
+            began = time.perf_counter()
+            kl = self.rollout_kl(batch, iteration)
+            rewards["total"] = rewards["total"] - self.config.training.kl_reward * kl
+            rewards[KL_REWARD_KEY] = kl
+            timing["time/kl_reward"] = time.perf_counter() - began
         return batch, rewards, timing
+
+    @torch.no_grad()
+    def rollout_kl(self, batch: RolloutBatch, iteration: int) -> Tensor:
+        """(B,) KL of each sample's trained steps to the reference (``flow_kl`` under
+        ``training.kl_convention``), averaged over its steps: Flow-GRPO's KL reward. Flow-GRPO
+        subtracts each step's KL from that step's reward (per-step advantages); advantages here
+        are per sample, so the sample's mean over its trained steps is subtracted instead. Rows
+        without a trained step get 0."""
+        total = torch.zeros(len(batch.prompts))
+        count = torch.zeros(len(batch.prompts))
+        settings = self.settings(iteration)
+        with self.accelerator.autocast(), self.reference_policy():
+            for replay in batch.replay:
+                cond = self.replay_condition(batch, replay)
+                _, mean_ref = replay_logp(self.model, replay, cond, settings)
+                kl = flow_kl(replay.mean_old, mean_ref, self.kl_std(replay)).float().cpu()
+                rows = replay.rows.cpu()
+                total.index_add_(0, rows, kl)
+                count.index_add_(0, rows, torch.ones_like(kl))
+        return total / count.clamp(min=1)
 
     # ------------------------------------------------------------------ loss
     def step_weights(self, replays: list) -> list[Tensor]:
         """Per-row loss weights of each replay batch: GRPO-Guard's 1/dt and/or Flash-GRPO's kappa,
-        normalised by their mean over the iteration's trained transitions (a replay batch holds a
-        single step, so normalising within it would make every weight 1)."""
+        normalised by their mean over the iteration's trained transitions on every process (a
+        replay batch holds a single step, so normalising within it would make every weight 1;
+        a per-process mean would weigh the same step differently on different processes). Called
+        on every process (the mean is gathered)."""
         t = self.config.training
         raw = []
         for replay in replays:
@@ -184,10 +276,18 @@ class FlowPolicy:
                 weights = weights * rectification_weights(replay.sigmas, replay.sigmas_next,
                                                           replay.std, normalize=False)
             raw.append(weights)
-        if raw and (t.dt_reweight or t.rectification):
-            mean = torch.cat(raw).mean()
-            raw = [w / mean for w in raw]
-            check_weights(torch.cat(raw))   # once here, so the loss skips it per replay batch
+        if t.dt_reweight or t.rectification:
+            acc = self.accelerator
+            local = torch.cat(raw) if raw else torch.zeros(0)
+            totals = torch.tensor([float(local.double().sum()), float(local.numel())],
+                                  dtype=torch.float64)
+            if acc.num_processes > 1:
+                totals = acc.gather(totals.to(acc.device).unsqueeze(0)).sum(dim=0).cpu()
+            if totals[1] > 0:
+                mean = (totals[0] / totals[1]).to(local.dtype)
+                raw = [w / mean.to(w.device) for w in raw]
+            if raw:
+                check_weights(torch.cat(raw))   # once here, so the loss skips it per replay batch
         return raw
 
     def replay_condition(self, batch: RolloutBatch, replay):
@@ -233,7 +333,7 @@ class FlowPolicy:
         if t.kl_beta > 0:
             with torch.no_grad(), self.reference_policy():
                 _, mean_ref = replay_logp(self.model, replay, cond, settings)
-            kl = flow_kl(mean, mean_ref, replay.std).mean()
+            kl = flow_kl(mean, mean_ref, self.kl_std(replay)).mean()
             loss = loss + t.kl_beta * kl
             record["kl"] = kl.detach()
         return loss, record
