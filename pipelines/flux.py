@@ -11,10 +11,14 @@ Family quirks, all checked against ``FluxPipeline``:
   sigma' = e^mu / (e^mu + 1/sigma - 1);
 - transformer timestep = sigma (the pipeline divides its 1000-scaled timesteps by 1000);
 - FLUX.1-dev is guidance-distilled: no real CFG; ``velocity(..., guidance_scale)`` feeds the
-  guidance embedding (3.5 is the usual value), so one forward per step.
+  guidance embedding (3.5 is the usual value), so one forward per step;
+- size: without height/width options the image is what FluxPipeline samples at by default, its
+  default_sample_size (128, a constant of the pipeline: FLUX's transformer config has no
+  sample_size) x the checkpoint's VAE factor: 1024 for FLUX.1.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -46,10 +50,12 @@ def flux_lora_target_modules(num_single_layers: int) -> list[str]:
 class FluxOptions(AdapterOptions):
     """FLUX.1 options (``load_model("flux", path, options={...})``)."""
 
-    height: int = field(default=1024, metadata={"help": (
-        "Image height in pixels; divisible by VAE factor x 2 (packing) = 16. Flow-GRPO trains "
-        "FLUX.1-dev at 512.")})
-    width: int = field(default=1024, metadata={"help": "Image width in pixels; divisible by 16."})
+    height: int | None = field(default=None, metadata={"help": (
+        "Image height in pixels; divisible by VAE factor x 2 (packing) = 16. None = FluxPipeline's "
+        "default, 128 x the checkpoint's VAE factor (1024 for FLUX.1). Flow-GRPO trains "
+        "FLUX.1-dev at 512, MixGRPO at 720.")})
+    width: int | None = field(default=None, metadata={"help": (
+        "Image width in pixels; divisible by 16. None = FluxPipeline's default (as height).")})
     max_sequence_length: int = field(default=512, metadata={"help": (
         "T5 tokens per prompt (<= 512, the FluxPipeline default).")})
 
@@ -93,8 +99,9 @@ class FluxModel(DiffusersFlowModel):
     def __init__(self, transformer: torch.nn.Module, components: dict, options: FluxOptions,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
         targets = flux_lora_target_modules(transformer.config.num_single_layers)
+        self.vae_scale_factor = 2 ** (len(components["vae"].config.block_out_channels) - 1)
+        options = resolve_size(options, self.vae_scale_factor)
         super().__init__(transformer, components, options, targets, device, dtype)
-        self.vae_scale_factor = 2 ** (len(self.vae.config.block_out_channels) - 1)
         _check_sizes(options, self.vae_scale_factor, transformer.config.patch_size)
         self.scheduler_config = dict(components["scheduler"].config)
         self.latent_height = options.height // self.vae_scale_factor
@@ -119,7 +126,9 @@ class FluxModel(DiffusersFlowModel):
             "tokenizer": "tokenizer_config.json", "tokenizer_2": "tokenizer_config.json"}, cls.family)
         transformer_config = FluxTransformer2DModel.load_config(path_or_hub_id, subfolder="transformer")
         vae_config = AutoencoderKL.load_config(path_or_hub_id, subfolder="vae")
-        _check_sizes(options, 2 ** (len(vae_config["block_out_channels"]) - 1), transformer_config["patch_size"])
+        vae_scale_factor = 2 ** (len(vae_config["block_out_channels"]) - 1)
+        options = resolve_size(options, vae_scale_factor)
+        _check_sizes(options, vae_scale_factor, transformer_config["patch_size"])
 
         text_dtype = resolve_dtype(options.text_encoder_dtype, dtype)
         components = {
@@ -211,6 +220,21 @@ class FluxModel(DiffusersFlowModel):
         with self.vae_on_device():
             images = self.vae.decode(z.to(self.vae.dtype), return_dict=False)[0]
         return (images.float() * 0.5 + 0.5).clamp(0.0, 1.0)
+
+
+# FluxPipeline.default_sample_size: a constant of the pipeline (not read from the checkpoint).
+PIPELINE_DEFAULT_SAMPLE_SIZE = 128
+
+
+def resolve_size(options: FluxOptions, vae_scale_factor: int) -> FluxOptions:
+    """``options`` with height/width filled in where None: FluxPipeline's default size,
+    ``PIPELINE_DEFAULT_SAMPLE_SIZE * vae_scale_factor``. A helper the image adapters could share
+    (pipelines/base.py); kept here while base.py is being changed elsewhere."""
+    if options.height is not None and options.width is not None:
+        return options
+    side = PIPELINE_DEFAULT_SAMPLE_SIZE * vae_scale_factor
+    return dataclasses.replace(options, height=side if options.height is None else options.height,
+                               width=side if options.width is None else options.width)
 
 
 def _check_sizes(options: FluxOptions, vae_scale_factor: int, patch_size: int) -> None:

@@ -9,10 +9,14 @@ Family quirks, all checked against ``StableDiffusion3Pipeline``:
 - static shift from the scheduler config (``shift``, 3.0 for SD3.5), with diffusers' schedule
   (the last non-zero sigma is the twice-shifted 1/1000);
 - real CFG with a negative prompt ("" by default), both branches in one batched forward;
-- decode: latents / scaling_factor + shift_factor, then the VAE.
+- decode: latents / scaling_factor + shift_factor, then the VAE;
+- size: without height/width options the image is the checkpoint's size, as the pipeline does:
+  transformer ``sample_size`` x VAE factor (1024 for SD3.5); prompts are embedded at 256 T5 tokens
+  unless ``max_sequence_length`` says otherwise (Flow-GRPO's recipes: 128).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -37,10 +41,12 @@ _UNSUPPORTED_SCHEDULER_FLAGS = ("use_dynamic_shifting", "use_karras_sigmas", "us
 class SD3Options(AdapterOptions):
     """SD3 options (``load_model("sd3", path, options={...})``)."""
 
-    height: int = field(default=1024, metadata={"help": (
-        "Image height in pixels; divisible by VAE factor x patch size (16). Flow-GRPO trains SD3.5-M "
-        "at 512.")})
-    width: int = field(default=1024, metadata={"help": "Image width in pixels; divisible by 16."})
+    height: int | None = field(default=None, metadata={"help": (
+        "Image height in pixels; divisible by VAE factor x patch size (16). None = the checkpoint's "
+        "size, transformer sample_size x VAE factor (StableDiffusion3Pipeline's default; 1024 for "
+        "SD3.5). Flow-GRPO trains SD3.5-M at 512.")})
+    width: int | None = field(default=None, metadata={"help": (
+        "Image width in pixels; divisible by 16. None = the checkpoint's size (as height).")})
     text_encoder_3: bool = field(default=True, metadata={"help": (
         "Load the T5-XXL encoder. False saves ~9 GB and uses zeros for its tokens (diffusers' "
         "text_encoder_3=None path); image quality drops somewhat.")})
@@ -49,7 +55,8 @@ class SD3Options(AdapterOptions):
         "(guidance_scale > 1). Flow-GRPO samples SD3.5-M with guidance 4.5.")})
     negative_prompt: str = field(default="", metadata={"help": "The CFG negative prompt."})
     max_sequence_length: int = field(default=256, metadata={"help": (
-        "T5 tokens per prompt (<= 512); the pipeline default is 256.")})
+        "T5 tokens per prompt (<= 512); the pipeline default is 256, Flow-GRPO's train_sd3.py "
+        "embeds 128 (the sequence length is the largest speed lever after the image size).")})
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -67,8 +74,9 @@ class SD3Model(DiffusersFlowModel):
 
     def __init__(self, transformer: torch.nn.Module, components: dict, options: SD3Options,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+        self.vae_scale_factor = 2 ** (len(components["vae"].config.block_out_channels) - 1)
+        options = resolve_size(options, dict(transformer.config), self.vae_scale_factor)
         super().__init__(transformer, components, options, SD3_LORA_TARGET_MODULES, device, dtype)
-        self.vae_scale_factor = 2 ** (len(self.vae.config.block_out_channels) - 1)
         _check_sizes(options, self.vae_scale_factor, transformer.config.patch_size)
         self.scheduler_config = dict(components["scheduler"].config)
         _check_scheduler_config(self.scheduler_config)
@@ -94,7 +102,9 @@ class SD3Model(DiffusersFlowModel):
         check_pipeline_folder(path_or_hub_id, required, cls.family)
         transformer_config = SD3Transformer2DModel.load_config(path_or_hub_id, subfolder="transformer")
         vae_config = AutoencoderKL.load_config(path_or_hub_id, subfolder="vae")
-        _check_sizes(options, 2 ** (len(vae_config["block_out_channels"]) - 1), transformer_config["patch_size"])
+        vae_scale_factor = 2 ** (len(vae_config["block_out_channels"]) - 1)
+        options = resolve_size(options, transformer_config, vae_scale_factor)
+        _check_sizes(options, vae_scale_factor, transformer_config["patch_size"])
         scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(path_or_hub_id, subfolder="scheduler")
         _check_scheduler_config(dict(scheduler.config))
 
@@ -184,6 +194,20 @@ class SD3Model(DiffusersFlowModel):
         with self.vae_on_device():
             images = self.vae.decode(z.to(self.vae.dtype), return_dict=False)[0]
         return (images.float() * 0.5 + 0.5).clamp(0.0, 1.0)
+
+
+def resolve_size(options: SD3Options, transformer_config: dict, vae_scale_factor: int
+                 ) -> SD3Options:
+    """``options`` with height/width filled in where None: the checkpoint's size,
+    ``transformer_config["sample_size"] * vae_scale_factor``, what StableDiffusion3Pipeline
+    samples at by default (its default_sample_size is the transformer's sample_size). A helper
+    every image adapter could share (pipelines/base.py); kept here while base.py is being
+    changed elsewhere."""
+    if options.height is not None and options.width is not None:
+        return options
+    side = int(transformer_config.get("sample_size") or 128) * vae_scale_factor
+    return dataclasses.replace(options, height=side if options.height is None else options.height,
+                               width=side if options.width is None else options.width)
 
 
 def _check_sizes(options: SD3Options, vae_scale_factor: int, patch_size: int) -> None:
