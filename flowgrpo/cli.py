@@ -26,9 +26,17 @@ def _train(args: argparse.Namespace) -> int:
         return 0
     if not args.config:
         raise InputError("flowgrpo train needs a CONFIG file, e.g. configs/toy_geneval.yaml")
+    if args.tiny:
+        import os
+
+        from flowgrpo.tiny_recipe import load_tiny_config
+
+        os.environ["ACCELERATE_USE_CPU"] = "true"   # read when the trainer builds its Accelerator
+        config = load_tiny_config(args.config, args.overrides)
+    else:
+        config = load_config(args.config, args.overrides)
     from flowgrpo.trainer import Trainer
 
-    config = load_config(args.config, args.overrides)
     # resume/overwrite go to the constructor: the run folder is checked before the model loads.
     Trainer(config, resume=args.resume, overwrite=args.overwrite).train()
     return 0
@@ -54,6 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
     start.add_argument("--overwrite", action="store_true",
                        help="delete what the run folder holds and start again (without this or "
                             "--resume, a run folder that holds a run is refused)")
+    train.add_argument("--tiny", action="store_true",
+                       help="run the recipe on its model family's tiny offline build (made once "
+                            "under $FLOWGRPO_TINY_DIR or ~/.cache/flowgrpo/tiny), small sizes, "
+                            "float32, on the CPU, with tiny random weights for hub-weight rewards; "
+                            "the method settings (plan, SDE, clip, KL, optimiser steps) stay the "
+                            "recipe's; the run is named <name>_tiny (flowgrpo/tiny_recipe.py)")
     train.add_argument("--help-config", action="store_true",
                        help="print every config field with its default and help text")
     # A function, called only on error: importing the config module here would slow --help.

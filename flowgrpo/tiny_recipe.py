@@ -1,0 +1,221 @@
+"""``flowgrpo train CONFIG --tiny``: any flow recipe on its family's tiny offline model, on a CPU.
+
+The recipe's method settings are kept as they are: the step count, plan, SDE kind and noise, the
+rollout schedule, log-prob convention, clip range, KL (beta, convention, KL reward), advantage
+scaling, optimiser steps per epoch, inner epochs, LoRA shape, EMA and the rewards' classes. What
+changes is size and place:
+
+- the model is the family's tiny random pipeline (``pipelines.tiny``), built once into
+  ``$FLOWGRPO_TINY_DIR/<build>`` (default ``~/.cache/flowgrpo/tiny``) and reused;
+- images / videos are ``TINY_HEIGHT x TINY_WIDTH`` (x ``TINY_NUM_FRAMES``), weights float32, no
+  mixed precision, no offloading or gradient checkpointing, the default attention;
+- an iteration is ``TINY_PROMPTS`` groups of ``TINY_GROUP_SIZE`` samples, rolled out
+  ``TINY_ROLLOUT_BATCH`` at a time; evaluation uses ``TINY_EVAL_PROMPTS`` held-out prompts at the
+  training step count; the run is ``TINY_ITERATIONS`` iterations, checkpointed at the end, named
+  ``<name>_tiny`` so that it never touches the real run's folder;
+- rewards whose weights come from the hub (PickScore, CLIP score, aesthetic) load a tiny random
+  CLIP (and aesthetic head) saved in the same layout (``reward_models.tiny``): the same reward
+  class and code path, meaningless scores. Other rewards (OCR's packaged ONNX models, JPEG, the
+  toy verifier) run as they are.
+
+The CLI also sets ``ACCELERATE_USE_CPU`` so a GPU machine trains the tiny run on its CPU too.
+Overrides on the command line apply after the tiny settings, so any of them can be changed back.
+"""
+from __future__ import annotations
+
+import copy
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from flowgrpo.config import ConfigError, InputError, TrainConfig, load_config, parse_overrides
+
+TINY_DIR_ENV = "FLOWGRPO_TINY_DIR"
+TINY_PROMPTS = 2
+TINY_GROUP_SIZE = 4
+TINY_ROLLOUT_BATCH = 4
+TINY_EVAL_PROMPTS = 2
+TINY_ITERATIONS = 2
+TINY_CLIP_PROJECTION = 16
+# Options of the diffusers adapters that only place or shrink a GPU run: reset to their defaults.
+_PLACEMENT_OPTIONS = {"offload_text_encoders": False, "offload_vae": False,
+                      "attention_backend": "sdpa", "text_encoder_dtype": None, "vae_dtype": None}
+# Families whose model is replaced by a tiny build (toy is already tiny and CPU-sized).
+_VIDEO_FAMILIES = ("wan",)
+
+
+def tiny_root(root: str | os.PathLike | None = None) -> Path:
+    """Where tiny builds live: ``root``, else $FLOWGRPO_TINY_DIR, else ~/.cache/flowgrpo/tiny."""
+    if root is not None:
+        return Path(root)
+    if os.environ.get(TINY_DIR_ENV):
+        return Path(os.environ[TINY_DIR_ENV])
+    return Path.home() / ".cache" / "flowgrpo" / "tiny"
+
+
+def tiny_build_name(family: str, path: str) -> str:
+    """The ``pipelines.tiny`` build of a config's model: the family's, except Wan2.2 checkpoints
+    (two experts), whose family is ``wan`` and whose build is ``wan22``."""
+    if family == "wan" and "wan2.2" in str(path).lower():
+        return "wan22"
+    return family
+
+
+def _publish(build, target: Path) -> Path:
+    """Run ``build(folder)`` into a fresh temporary folder next to ``target`` and move it into
+    place, unless another process got there first (then the other's is kept)."""
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        build(scratch)
+        try:
+            os.replace(scratch, target)
+        except OSError:            # target appeared meanwhile (another process): keep that one
+            if not target.exists():
+                raise
+    finally:
+        if scratch.exists():
+            shutil.rmtree(scratch, ignore_errors=True)
+    return target
+
+
+def ensure_tiny_model(build: str, root: str | os.PathLike | None = None) -> Path:
+    """The tiny ``build`` pipeline folder under ``tiny_root(root)``, written on first use."""
+    from pipelines.tiny import TINY_FAMILIES, save_tiny
+
+    if build not in TINY_FAMILIES:
+        raise InputError(f"--tiny has no tiny build for model family {build!r} (builds: "
+                         f"{', '.join(TINY_FAMILIES)})")
+    return _publish(lambda folder: save_tiny(build, folder), tiny_root(root) / build)
+
+
+def ensure_tiny_clip(root: str | os.PathLike | None = None) -> Path:
+    """A tiny random CLIP (model, processor, tokenizer) for the CLIP-based rewards."""
+    from reward_models.tiny import build_tiny_clip
+
+    return _publish(lambda folder: build_tiny_clip(str(folder), projection_dim=TINY_CLIP_PROJECTION,
+                                                   image_size=32),
+                    tiny_root(root) / "reward_clip")
+
+
+def ensure_tiny_aesthetic_head(root: str | os.PathLike | None = None) -> Path:
+    """A tiny random aesthetic head on the tiny CLIP's embeddings."""
+    from reward_models.tiny import build_tiny_aesthetic_head
+
+    def build(folder: Path) -> None:
+        build_tiny_aesthetic_head(str(folder / "head.safetensors"),
+                                  embed_dim=TINY_CLIP_PROJECTION)
+
+    return _publish(build, tiny_root(root) / "reward_aesthetic") / "head.safetensors"
+
+
+def _clip_reward(options: dict, root) -> dict:
+    clip = str(ensure_tiny_clip(root))
+    out = {k: v for k, v in options.items() if k not in ("pretrained",)}
+    out.update({"model": clip, "backend": "transformers"})
+    if "processor" in out or options.get("processor") is not None:
+        out["processor"] = clip
+    return out
+
+
+def _pickscore_reward(options: dict, root) -> dict:
+    clip = str(ensure_tiny_clip(root))
+    return {**options, "model": clip, "processor": clip}
+
+
+def _aesthetic_reward(options: dict, root) -> dict:
+    out = _clip_reward(options, root)
+    out["head"] = str(ensure_tiny_aesthetic_head(root))
+    return out
+
+
+# reward name -> options with its hub weights replaced by tiny random builds of the same layout
+TINY_REWARDS = {"pickscore": _pickscore_reward, "clip_score": _clip_reward,
+                "aesthetic": _aesthetic_reward}
+
+
+def _tiny_rewards(components: list, root) -> list:
+    out = []
+    for spec in components or []:
+        spec = dict(spec) if isinstance(spec, dict) else {"name": spec}
+        name = spec.get("name")
+        if name in TINY_REWARDS:
+            spec["options"] = TINY_REWARDS[name](dict(spec.get("options") or {}), root)
+        out.append(spec)
+    return out
+
+
+def _get(tree: dict, dotted: str, default: Any = None) -> Any:
+    node: Any = tree
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return default
+        node = node[part]
+    return node
+
+
+def tiny_patch(raw: dict, root: str | os.PathLike | None = None) -> dict:
+    """The config changes (a nested dict merged over the recipe) that put ``raw`` (a config file's
+    mapping) on its family's tiny build: see the module docstring. Builds what it points to."""
+    from pipelines.tiny import TINY_HEIGHT, TINY_NUM_FRAMES, TINY_WIDTH
+
+    policy = raw.get("policy", "flow")
+    if policy != "flow":
+        raise InputError(f"--tiny is for flow recipes (this config's policy is {policy!r}); the "
+                         f"llm recipes already run on a CPU as they are")
+    family = _get(raw, "model.family", "toy")
+    name = raw.get("name", "run")
+    model: dict[str, Any] = {"dtype": "float32", "gradient_checkpointing": False}
+    if family != "toy":
+        build = tiny_build_name(family, _get(raw, "model.path", ""))
+        options = dict(_get(raw, "model.options", {}) or {})
+        options.update(_PLACEMENT_OPTIONS)
+        options.update({"height": TINY_HEIGHT, "width": TINY_WIDTH})
+        if family in _VIDEO_FAMILIES:
+            options["num_frames"] = TINY_NUM_FRAMES
+        model.update({"path": str(ensure_tiny_model(build, root)), "options": options})
+    num_steps = _get(raw, "sampling.num_steps", 10)
+    patch: dict[str, Any] = {
+        "name": f"{name}_tiny",
+        "model": model,
+        "prompts": {"num_eval": TINY_EVAL_PROMPTS, "eval_seeds": 1, "eval_per_family": 0},
+        "sampling": {"rollout_batch_size": TINY_ROLLOUT_BATCH, "eval_num_steps": num_steps},
+        "training": {"prompts_per_iteration": TINY_PROMPTS, "group_size": TINY_GROUP_SIZE,
+                     "mixed_precision": "no", "use_8bit_adam": False},
+        "rewards": {"components": _tiny_rewards(_get(raw, "rewards.components", []), root)},
+        "run": {"max_iterations": TINY_ITERATIONS, "eval_every": 0, "checkpoint_every": 0,
+                "keep_checkpoints": 1, "tracker": "none"},
+    }
+    return patch
+
+
+def _read(path: str | os.PathLike) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    raw = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    return raw
+
+
+def load_tiny_config(path: str | os.PathLike, overrides: list[str] | None = None,
+                     root: str | os.PathLike | None = None) -> TrainConfig:
+    """``path`` with ``tiny_patch`` merged over it, then the dotted ``overrides`` (which win),
+    validated like any config. Builds the tiny model and reward weights it needs."""
+    raw = _read(path)
+    view = copy.deepcopy(raw)       # what the overrides make of the recipe (family, rewards, ...)
+    for key, value in parse_overrides(overrides or []):
+        node = view
+        parts = key.split(".")
+        for part in parts[:-1]:
+            node = node.setdefault(part, {}) if isinstance(node, dict) else {}
+        if isinstance(node, dict):
+            node[parts[-1]] = value
+    return load_config(path, overrides, data=tiny_patch(view, root))
