@@ -1,0 +1,288 @@
+"""The shipped recipes: the anchors' optimiser cadence, ``flowgrpo train CONFIG --tiny`` (the
+recipe's method settings on its family's tiny offline build), two iterations of every recipe on
+its tiny build with off-policy ratios, a clip range that clips, the KL reward, step weights
+normalised over every process, and the adapters' default size (docs/recipes.md)."""
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from flowgrpo.config import InputError, load_config
+from flowgrpo.flow_policy import KL_REWARD_KEY, replay_batches_per_process, resolve_accumulation
+from flowgrpo.tiny_recipe import ensure_tiny_model, load_tiny_config, tiny_build_name
+from flowgrpo.trainer import Trainer
+
+# config -> (optimiser steps per epoch, the anchor's process count)
+SHIPPED = {
+    "sd3_ocr": (2, 32),          # Flow-GRPO general_ocr_sd3: gpu_number 32
+    "sd3_pickscore": (2, 32),    # Flow-GRPO pickscore_sd3
+    "sd3_fast_cps": (2, 32),     # Flow-GRPO pickscore_sd3_fast_nocfg
+    "flux_flowgrpo": (2, 32),    # Flow-GRPO pickscore_flux
+    "flux_pickscore": (4, 32),   # MixGRPO-Flash: 4 nodes x 8 GPUs, 12 samples, accumulation 3
+    "wan_video": (2, 96),        # Flash-GRPO: 96 processes
+}
+# The anchors' accumulation in replay batches (our unit: rows of one step) at their process count:
+# Flow-GRPO accumulates num_batches_per_epoch // 2 sample batches x the trained timesteps.
+ANCHOR_ACCUMULATION = {"sd3_ocr": 2 * 9, "sd3_pickscore": 2 * 9, "sd3_fast_cps": 2 * 3,
+                       "flux_flowgrpo": 6 * 5, "flux_pickscore": 1, "wan_video": 1}
+METHOD_FIELDS = [
+    "sampling.num_steps", "sampling.kind", "sampling.noise_level", "sampling.log_prob",
+    "sampling.sigma_schedule", "sampling.sigma_shift", "sampling.sigma_schedule_start",
+    "sampling.guidance_scale", "sampling.share_initial_noise", "sampling.plan",
+    "training.lr", "training.clip_low", "training.clip_high", "training.kl_beta",
+    "training.kl_convention", "training.kl_reward", "training.adv_scale", "training.adv_ddof",
+    "training.adv_eps", "training.adv_clip", "training.num_inner_epochs",
+    "training.optimizer_steps_per_epoch", "training.ratio_norm", "training.dt_reweight",
+    "training.rectification", "training.ema", "training.skip_zero_std_groups",
+    "model.family", "model.lora", "rewards.aggregation",
+]
+
+
+def _field(config, dotted: str):
+    value = config
+    for part in dotted.split("."):
+        value = getattr(value, part)
+    return value
+
+
+@pytest.fixture(scope="session")
+def tiny_builds(tmp_path_factory):
+    """One folder of tiny builds (models and reward weights) for the whole session."""
+    return tmp_path_factory.mktemp("tiny_builds")
+
+
+def _run_tiny(name: str, root, out, overrides=()):
+    config = load_tiny_config(f"configs/{name}.yaml",
+                              [f"run.output_dir={out}", "run.progress=false",
+                               "run.comparison_grid=false", *overrides], root=root)
+    trainer = Trainer(config)
+    history = trainer.train()
+    return config, trainer, [h for h in history if h["phase"] == "train"]
+
+
+# --------------------------------------------------------------------- the recipes as shipped
+
+
+@pytest.mark.parametrize("name", sorted(SHIPPED))
+def test_shipped_recipe_steps_the_optimiser_like_its_anchor(name):
+    """optimizer_steps_per_epoch gives exactly the anchor's steps per epoch at its process count
+    and on one 8-GPU node, and at the anchor's count the accumulation equals the anchor's."""
+    steps, anchor_processes = SHIPPED[name]
+    config = load_config(f"configs/{name}.yaml")
+    assert config.training.optimizer_steps_per_epoch == steps
+    assert config.training.num_inner_epochs == 1
+    for processes in (8, anchor_processes):
+        count = replay_batches_per_process(config, processes)
+        assert count % steps == 0, (processes, count)
+        local = load_config(f"configs/{name}.yaml")
+        resolve_accumulation(local, processes)
+        assert math.ceil(count / local.training.gradient_accumulation_steps) == steps
+        if processes == anchor_processes:
+            assert local.training.gradient_accumulation_steps == ANCHOR_ACCUMULATION[name]
+
+
+def test_shipped_recipes_carry_their_anchors_method_settings():
+    sd3 = load_config("configs/sd3_ocr.yaml")
+    assert (sd3.training.kl_beta, sd3.training.kl_convention, sd3.training.adv_scale) == \
+        (0.04, "flow_grpo", "batch")
+    assert sd3.model.options["max_sequence_length"] == 128
+    assert not sd3.sampling.share_initial_noise and sd3.sampling.rollout_batch_size == 9
+    assert load_config("configs/sd3_pickscore.yaml").training.kl_beta == 0.01
+    fast = load_config("configs/sd3_fast_cps.yaml")
+    assert (fast.sampling.kind, fast.sampling.log_prob, fast.training.clip_low) == \
+        ("cps", "unscaled", 1e-5)
+    assert (fast.sampling.plan.window_size, fast.sampling.plan.branch_range) == (3, (0, 3))
+    mix = load_config("configs/flux_pickscore.yaml")
+    assert (mix.sampling.kind, mix.sampling.noise_level, mix.sampling.sigma_schedule,
+            mix.sampling.sigma_shift) == ("flow_sde", 0.7, "shifted_linear", 3.0)
+    assert (mix.training.adv_ddof, mix.training.adv_eps) == (1, 1e-8)
+    assert (mix.sampling.plan.shift_interval, mix.sampling.plan.window_range) == (20, (0, 23))
+    wan = load_config("configs/wan_video.yaml")
+    assert (wan.sampling.kind, wan.sampling.noise_level, wan.sampling.sigma_schedule_start) == \
+        ("flash_sde", 1.0, 0.999)
+    assert not wan.sampling.share_initial_noise and wan.training.rectification
+
+
+# --------------------------------------------------------------------- --tiny
+
+
+@pytest.mark.parametrize("name", sorted(SHIPPED))
+def test_tiny_config_keeps_the_method_settings_and_shrinks_the_rest(name, tiny_builds):
+    recipe = load_config(f"configs/{name}.yaml")
+    tiny = load_tiny_config(f"configs/{name}.yaml", root=tiny_builds)
+    for dotted in METHOD_FIELDS:
+        assert _field(tiny, dotted) == _field(recipe, dotted), dotted
+    assert [c.name for c in tiny.rewards.components] == [c.name for c in recipe.rewards.components]
+    assert tiny.name == f"{name}_tiny"
+    assert tiny.model.dtype == "float32" and tiny.training.mixed_precision == "no"
+    assert not tiny.model.gradient_checkpointing
+    assert tiny.model.options["height"] == tiny.model.options["width"] == 32
+    assert (tiny_builds / tiny_build_name(recipe.model.family, recipe.model.path)
+            / "model_index.json").is_file()
+    assert tiny.training.prompts_per_iteration * tiny.training.group_size == 8
+    for component in tiny.rewards.components:
+        for key in ("model", "processor", "head"):
+            if key in component.options:
+                assert str(tiny_builds) in str(component.options[key])
+
+
+def test_tiny_overrides_win_and_llm_recipes_are_refused(tiny_builds):
+    config = load_tiny_config("configs/sd3_pickscore.yaml", ["training.group_size=2",
+                                                             "sampling.rollout_batch_size=2"],
+                              root=tiny_builds)
+    assert config.training.group_size == 2 and config.sampling.rollout_batch_size == 2
+    with pytest.raises(InputError, match="flow recipes"):
+        load_tiny_config("configs/llm_arith.yaml", root=tiny_builds)
+
+
+# --------------------------------------------------------------------- two iterations each
+
+
+@pytest.mark.parametrize("name", sorted(SHIPPED))
+def test_shipped_recipe_runs_two_iterations_on_its_tiny_build(name, tiny_builds, tmp_path):
+    """Every iteration takes the recipe's optimiser steps; the replays scored after the first
+    step are off-policy (ratios != 1) while the first pass stays exactly on-policy. sd3_ocr's OCR
+    reward scores random tiny images 0 (no group varies), so its run scores JPEG size instead."""
+    overrides = ["rewards.components=[{name: jpeg_compressibility}]"] if name == "sd3_ocr" else []
+    config, trainer, train = _run_tiny(name, tiny_builds, tmp_path / "runs", overrides)
+    steps = SHIPPED[name][0]
+    assert len(train) == 2
+    for record in train:
+        assert record["train/optimizer_steps"] == steps
+        assert record["train/first_pass_ratio_max_dev"] == 0.0
+        assert record["train/ratio_max"] > 1.0 or record["train/ratio_min"] < 1.0
+        assert record["reward/nan_count"] == 0
+    assert (trainer.run_dir / "checkpoints" / "2").is_dir()
+
+
+def test_a_tiny_clip_range_clips(tiny_builds, tmp_path):
+    _, _, train = _run_tiny("sd3_pickscore", tiny_builds, tmp_path / "runs",
+                            ["training.clip_low=1.0e-7", "run.max_iterations=1"])
+    assert train[0]["train/clip_fraction"] > 0
+    assert train[0]["train/clip_fraction_active"] > 0
+
+
+def test_kl_reward_is_zero_on_policy_then_positive(tiny_builds, tmp_path):
+    """Flow-GRPO's KL reward: the rollout's KL to the reference is 0 before any update (LoRA B is
+    0) and positive after it, and it is subtracted from the total reward."""
+    _, _, train = _run_tiny("sd3_pickscore", tiny_builds, tmp_path / "runs",
+                            ["training.kl_reward=0.5"])
+    first, second = (record[f"reward/{KL_REWARD_KEY}/mean"] for record in train)
+    assert first == 0.0 and second > 0.0
+    assert train[1]["reward/total/mean"] == pytest.approx(
+        train[1]["reward/pickscore/mean"] - 0.5 * second, abs=1e-6)
+    assert train[1]["train/kl"] > 0.0
+
+
+def test_dance_grpo_per_sample_steps_train_on_policy(tiny_builds, tmp_path):
+    _, _, train = _run_tiny("sd3_pickscore", tiny_builds, tmp_path / "runs",
+                            ["sampling.plan.train_select=random_per_sample",
+                             "sampling.plan.train_fraction=0.6", "run.max_iterations=1"])
+    assert train[0]["train/first_pass_ratio_max_dev"] == 0.0
+    assert train[0]["trained_transitions"] == 8 * 6          # int(10 * 0.6) steps per sample
+    assert train[0]["train/optimizer_steps"] == 2
+
+
+def test_cli_tiny_trains_a_recipe_offline_on_the_cpu(tiny_builds, tmp_path, monkeypatch):
+    """``flowgrpo train configs/sd3_ocr.yaml --tiny``: the recipe as shipped (its OCR reward runs
+    offline), a run folder of its own, a CPU device."""
+    from flowgrpo.cli import main
+
+    monkeypatch.setenv("FLOWGRPO_TINY_DIR", str(tiny_builds))
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "false")      # restored after; the CLI sets it
+    code = main(["train", "configs/sd3_ocr.yaml", f"run.output_dir={tmp_path}",
+                 "run.progress=false", "run.comparison_grid=false", "prompts.num_eval=1",
+                 "--tiny"])
+    assert code == 0
+    run = tmp_path / "sd3_ocr_tiny"
+    assert (run / "checkpoints" / "2").is_dir() and not (tmp_path / "sd3_ocr").exists()
+    import os
+
+    assert os.environ["ACCELERATE_USE_CPU"] == "true"
+
+
+# --------------------------------------------------------------------- step weights over processes
+
+
+class _TwoProcesses:
+    """An accelerator stand-in for process 0 of 2 whose peer holds ``other`` (sum, count)."""
+
+    num_processes = 2
+    device = torch.device("cpu")
+
+    def __init__(self, other):
+        self.other = torch.tensor([other], dtype=torch.float64)
+
+    def gather(self, tensor):
+        return torch.cat([tensor, self.other.to(tensor.dtype)])
+
+
+def test_step_weights_are_normalised_over_every_process():
+    """GRPO-Guard's 1/dt (and Flash's kappa) are divided by their mean over the trained
+    transitions of all processes, so the same step gets the same weight on every process."""
+    from flowgrpo.flow_policy import FlowPolicy
+
+    policy = object.__new__(FlowPolicy)
+    policy.config = SimpleNamespace(training=SimpleNamespace(dt_reweight=True, rectification=False))
+    replay = SimpleNamespace(logp_old=torch.zeros(2), sigmas=torch.tensor([0.9, 0.9]),
+                             sigmas_next=torch.tensor([0.8, 0.8]), std=torch.ones(2))
+    raw = 1 / (0.9 - 0.8)
+    # the other process holds 6 transitions whose weights sum to 6 * 2.0
+    policy.accelerator = _TwoProcesses([12.0, 6.0])
+    (weights,) = policy.step_weights([replay])
+    global_mean = (2 * raw + 12.0) / 8
+    torch.testing.assert_close(weights, torch.full((2,), raw / global_mean), rtol=1e-5, atol=0)
+    policy.accelerator = SimpleNamespace(num_processes=1)
+    (alone,) = policy.step_weights([replay])
+    torch.testing.assert_close(alone, torch.ones(2))
+    # a process without replay batches still joins the gather
+    policy.accelerator = _TwoProcesses([12.0, 6.0])
+    assert policy.step_weights([]) == []
+
+
+# --------------------------------------------------------------------- adapters' default size
+
+
+def test_sd3_without_size_options_samples_at_the_checkpoints_size(tiny_builds):
+    from pipelines import load_model
+
+    path = ensure_tiny_model("sd3", tiny_builds)
+    model = load_model("sd3", path, options={"max_sequence_length": 16})
+    pipe = model.to_pipeline()
+    expected = pipe.default_sample_size * pipe.vae_scale_factor
+    assert (model.options.height, model.options.width) == (expected, expected) == (32, 32)
+    noise = model.initial_noise(1, torch.Generator().manual_seed(0))
+    stock = pipe(prompt=["a red square"], num_inference_steps=2, guidance_scale=1.0, latents=noise,
+                 max_sequence_length=16, output_type="pt").images
+    cond = model.encode_prompts(["a red square"])
+    sigmas = model.sigmas(2)
+    x = noise
+    for i in range(2):
+        v = model.velocity(x, sigmas[i].expand(1), cond, 1.0)
+        x = x + v * (sigmas[i + 1] - sigmas[i])
+    ours = model.decode(x)
+    assert ours.shape == stock.shape == (1, 3, 32, 32)
+    torch.testing.assert_close(ours, stock, rtol=0, atol=1e-4)
+
+
+def test_flux_without_size_options_samples_at_the_pipelines_default_size(tiny_builds):
+    from pipelines import load_model
+
+    path = ensure_tiny_model("flux", tiny_builds)
+    model = load_model("flux", path, options={"max_sequence_length": 16})
+    pipe = model.to_pipeline()
+    expected = pipe.default_sample_size * pipe.vae_scale_factor
+    assert (model.options.height, model.options.width) == (expected, expected) == (1024, 1024)
+    noise = model.initial_noise(1, torch.Generator().manual_seed(0))
+    stock = pipe(prompt=["a red square"], num_inference_steps=1, guidance_scale=3.5, latents=noise,
+                 max_sequence_length=16, output_type="latent").images
+    cond = model.encode_prompts(["a red square"])
+    sigmas = model.sigmas(1)
+    v = model.velocity(noise, sigmas[0].expand(1), cond, 3.5)
+    x = noise + v * (sigmas[1] - sigmas[0])
+    assert x.shape == stock.shape == (1, (1024 // 16) ** 2, 64)
+    torch.testing.assert_close(x, stock.float(), rtol=0, atol=1e-4)
+    assert model.decode(x).shape == (1, 3, 1024, 1024)
