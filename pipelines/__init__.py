@@ -20,6 +20,7 @@ MODEL_FAMILIES: dict[str, str] = {
     "flux_kontext": "pipelines.flux_kontext:FluxKontextModel",
     "wan": "pipelines.wan:WanModel",
     "qwen_image": "pipelines.qwen_image:QwenImageModel",
+    "qwen_image_edit": "pipelines.qwen_image_edit:QwenImageEditModel",
     "toy": "pipelines.toy:ToyFlowModel",
 }
 
@@ -30,6 +31,7 @@ MODEL_OPTIONS: dict[str, str] = {
     "flux_kontext": "pipelines.flux:FluxOptions",
     "wan": "pipelines.wan:WanOptions",
     "qwen_image": "pipelines.qwen_image:QwenImageOptions",
+    "qwen_image_edit": "pipelines.qwen_image:QwenImageOptions",
     "toy": "pipelines.toy:ToyOptions",
 }
 

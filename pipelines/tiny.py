@@ -373,6 +373,26 @@ def build_tiny_qwen_image():
                              tokenizer=tokenizer, transformer=transformer)
 
 
+def tiny_qwen2_vl_processor(tokenizer):
+    """Qwen2VLProcessor over the tiny tokenizer; its image processor keeps images small (at most
+    64 patches of 28 px) so the tiny vision tower stays cheap."""
+    from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor, Qwen2VLVideoProcessor
+
+    return Qwen2VLProcessor(image_processor=Qwen2VLImageProcessor(min_pixels=4 * 28 * 28,
+                                                                  max_pixels=64 * 28 * 28),
+                            tokenizer=tokenizer, video_processor=Qwen2VLVideoProcessor())
+
+
+def build_tiny_qwen_image_edit():
+    """QwenImageEditPipeline with the tiny Qwen-Image components plus a processor (the text
+    encoder's vision tower reads the source image)."""
+    from diffusers import QwenImageEditPipeline
+
+    base = build_tiny_qwen_image()
+    return QwenImageEditPipeline(processor=tiny_qwen2_vl_processor(base.tokenizer),
+                                 **base.components)
+
+
 def build_tiny_flux_kontext():
     """FluxKontextPipeline with the tiny FLUX.1 components (Kontext has FLUX.1-dev's layout)."""
     from diffusers import FluxKontextPipeline
@@ -384,7 +404,7 @@ def build_tiny_flux_kontext():
 
 _BUILDERS = {"sd3": build_tiny_sd3, "flux": build_tiny_flux, "wan": build_tiny_wan,
              "wan22": build_tiny_wan22, "qwen_image": build_tiny_qwen_image,
-             "flux_kontext": build_tiny_flux_kontext}
+             "flux_kontext": build_tiny_flux_kontext, "qwen_image_edit": build_tiny_qwen_image_edit}
 
 
 def build_tiny(family: str, seed: int = 0, transformer_size: tuple[int, int] | None = None):

@@ -69,6 +69,26 @@ def decode_png(data: bytes) -> np.ndarray:
         return np.asarray(image.convert("RGB"))
 
 
+SOURCE_IMAGE_KEY, SOURCE_IMAGE_WIRE_KEY = "source_image", "source_image_png"
+
+
+def encode_source_images(metadata: list[dict]) -> list[dict]:
+    """Editing rows: metadata["source_image"] (a (3, H, W) float tensor in [0, 1]) sent as
+    metadata["source_image_png"] (base64 PNG, lossless at 8 bits) so that the metadata is JSON;
+    other rows unchanged. The reward server decodes it back (``server._decode_source_images``,
+    size-checked like the media)."""
+    from flowgrpo.pixels import to_uint8
+
+    out = []
+    for row in metadata:
+        image = row.get(SOURCE_IMAGE_KEY) if isinstance(row, dict) else None
+        if isinstance(image, torch.Tensor):
+            row = {k: v for k, v in row.items() if k != SOURCE_IMAGE_KEY}
+            row[SOURCE_IMAGE_WIRE_KEY] = encode_png(to_uint8(image))
+        out.append(row)
+    return out
+
+
 def encode_mp4(frames: np.ndarray, fps: int = 8) -> str:
     """(F, H, W, 3) uint8 -> base64 MP4 (H.264, yuv444p, crf 0: near-lossless, odd sizes kept;
     pixel values may move by about 1/255 from the colour conversion)."""

@@ -42,7 +42,7 @@ import torch
 from torch import Tensor
 
 from .base import register_reward
-from .media import encode_media
+from .media import encode_media, encode_source_images
 
 RETRY_STATUSES = (502, 503, 504)
 
@@ -184,7 +184,8 @@ class RemoteReward:
         batch = media.shape[0]
         if batch == 0:
             return torch.empty(0), {}
-        prompts, metadata = list(prompts), list(metadata)
+        # Editing rows carry their source image as a tensor: sent as a PNG (the server decodes it).
+        prompts, metadata = list(prompts), encode_source_images(list(metadata))
         try:   # checked once here, not in each thread, so the error names the cause once
             json.dumps(metadata, allow_nan=False)
         except (TypeError, ValueError) as error:

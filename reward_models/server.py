@@ -63,7 +63,7 @@ from torch import Tensor
 from flowgrpo.pixels import from_uint8
 
 from .loading import load_reward
-from .media import decode_png
+from .media import SOURCE_IMAGE_KEY, SOURCE_IMAGE_WIRE_KEY, decode_png
 
 logger = logging.getLogger(__name__)
 
@@ -261,6 +261,7 @@ class RewardServer(ThreadingHTTPServer):
         if not isinstance(metadata, list) or len(metadata) != batch \
                 or not all(isinstance(m, dict) for m in metadata):
             raise _HttpError(400, f"metadata must be a list of {batch} objects or absent")
+        metadata = _decode_source_images(metadata, self.limits)   # editing rows
         mains, parts = [], []
         step = self.limits.max_batch
         with self.score_lock:
@@ -362,6 +363,23 @@ def _decode_mp4_bounded(data: bytes, budget: _PixelBudget, where: str) -> np.nda
     if not frames:
         raise _HttpError(400, f"{where}: the video has no frames")
     return np.stack(frames)
+
+
+def _decode_source_images(metadata: list[dict], limits: ServerLimits) -> list[dict]:
+    """Editing rows: metadata["source_image_png"] (the remote reward's ``encode_source_images``)
+    back to metadata["source_image"], (3, H, W) float32 in [0, 1], each PNG's size checked
+    against ``limits`` before it is decoded (as the media)."""
+    budget = _PixelBudget(limits)
+    out = []
+    for index, row in enumerate(metadata):
+        data = row.get(SOURCE_IMAGE_WIRE_KEY)
+        if data is not None:
+            where = f"metadata[{index}].{SOURCE_IMAGE_WIRE_KEY}"
+            pixels = _decode_png_bounded(_b64(data, where), budget, where)
+            row = {k: v for k, v in row.items() if k != SOURCE_IMAGE_WIRE_KEY}
+            row[SOURCE_IMAGE_KEY] = from_uint8(pixels)
+        out.append(row)
+    return out
 
 
 def decode_media_bounded(items, limits: ServerLimits) -> Tensor:

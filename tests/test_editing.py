@@ -268,3 +268,30 @@ def test_toy_edit_run_raises_held_out_edit_accuracy(tmp_path):
     print("held-out exact edit accuracy (family mean) at iterations 0, 60:", accuracy)
     assert [h["iteration"] for h in evals] == [0, 60]
     assert accuracy[-1] - accuracy[0] >= 0.06, accuracy
+
+
+def test_remote_edit_reward_receives_the_source_image():
+    """An editing reward behind the reward server: the client sends each row's source image as a
+    PNG in the metadata and the server hands it back as a tensor, so the scores equal local ones."""
+    from reward_models import load_reward
+    from reward_models.server import ServerLimits, make_server, start_in_thread
+
+    server = make_server("toy_edit", port=0, token="t0ken", limits=ServerLimits(max_batch=4))
+    start_in_thread(server)
+    try:
+        records = [r for r in load_prompts("toy:edit_heldout")
+                   if r["metadata"]["family"] == "recolor_two"][:6]
+        outputs = []
+        for i, r in enumerate(records):
+            meta = r["metadata"]
+            _, target = render_pair(meta["source"], meta["edit"], meta["layout_seed"])
+            outputs.append(torch.from_numpy(target) if i % 2 == 0 else r["image"])
+        media, prompts = torch.stack(outputs), [r["prompt"] for r in records]
+        metadata = reward_metadata(records)
+        client = load_reward({"name": "remote", "url": server.url, "token": "t0ken", "timeout": 20})
+        remote_scores = client(media, prompts, metadata)
+        assert remote_scores.tolist() == ToyEditReward()(media, prompts, metadata).tolist()
+        assert remote_scores[0::2].min() > remote_scores[1::2].max()
+    finally:
+        server.shutdown()
+        server.server_close()

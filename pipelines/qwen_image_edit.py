@@ -1,0 +1,175 @@
+"""Qwen-Image-Edit (``Qwen/Qwen-Image-Edit``) as an editing FlowModel.
+
+Qwen-Image (``pipelines/qwen_image.py``: packing, schedule, true CFG with the per-token norm
+rescale, decode) plus the source image, as ``QwenImageEditPipeline`` does it:
+
+- the source image is resized (the pipeline's own ``image_processor.resize``, PIL) to about
+  1024^2 pixels at its aspect ratio, sides multiples of 32 (``calculate_dimensions``), whatever the
+  output size;
+- the text: Qwen2.5-VL reads the instruction *and that image* (the processor's vision tokens in
+  the edit template); computed per (prompt, image) row by the pipeline's ``encode_prompt``, for the
+  CFG negative too (same image), so nothing is cached per prompt string;
+- the image is also VAE-encoded (mode, ``(z - mean) / std``) and packed: ``image_latents``
+  (B, tokens', 64); every transformer call sees [output tokens; source tokens] with
+  ``img_shapes`` [(1, H/16, W/16), (1, h'/16, w'/16)] and returns the output tokens' velocity.
+
+All rows of one ``encode_prompts`` call must have source images of one aspect ratio (their
+source token counts must match to batch); a JSONL of mixed aspect ratios is refused with the
+rows named. Source images reach the pipeline as 8-bit PIL images (what users hand it).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import Tensor
+
+from flowgrpo.model import Conditioning
+from pipelines.base import (check_pipeline_folder, parse_options, read_model_index,
+                            require_attention_backend, resolve_dtype, text_model_dtype)
+from pipelines.flux import pack_latents
+from pipelines.qwen_image import (QwenImageModel, QwenImageOptions, _check_scheduler_config,
+                                  _check_transformer_config, _fit_text, _resolve_size,
+                                  _text_length)
+
+# QwenImageEditPipeline resizes every source image to about this many pixels.
+SOURCE_AREA = 1024 * 1024
+
+
+class QwenImageEditModel(QwenImageModel):
+    """Qwen-Image-Edit adapter (``load_model("qwen_image_edit", path, options=...)``: Qwen-Image's
+    options)."""
+
+    family = "qwen_image_edit"
+    pipeline_class_path = "diffusers:QwenImageEditPipeline"
+    supports_images = True
+
+    @classmethod
+    def from_pretrained(cls, path_or_hub_id: str, dtype: torch.dtype = torch.float32,
+                        device: torch.device | str = "cpu",
+                        options: QwenImageOptions | dict | None = None) -> "QwenImageEditModel":
+        """Every component (and the processor) with its class's ``from_pretrained``; validated as
+        Qwen-Image before any weights load."""
+        from diffusers import (AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler,
+                               QwenImageTransformer2DModel)
+        from transformers import (Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer,
+                                  Qwen2VLProcessor)
+
+        options = parse_options(QwenImageOptions, options, cls.family)
+        require_attention_backend(options.attention_backend)
+        check_pipeline_folder(path_or_hub_id, {
+            "transformer": "config.json", "vae": "config.json", "scheduler": "scheduler_config.json",
+            "text_encoder": "config.json", "tokenizer": "tokenizer_config.json",
+            "processor": "tokenizer_config.json"}, cls.family)
+        pipeline_name = read_model_index(path_or_hub_id).get("_class_name", "QwenImageEditPipeline")
+        if pipeline_name != "QwenImageEditPipeline":
+            raise ValueError(f"qwen_image_edit: {path_or_hub_id!r} is a {pipeline_name} folder; "
+                             "this adapter is Qwen-Image-Edit (QwenImageEditPipeline, e.g. "
+                             "Qwen/Qwen-Image-Edit); use qwen_image for text-to-image")
+        transformer_config = QwenImageTransformer2DModel.load_config(path_or_hub_id, subfolder="transformer")
+        _check_transformer_config(transformer_config)
+        vae_config = AutoencoderKLQwenImage.load_config(path_or_hub_id, subfolder="vae")
+        height, width = _resolve_size(options, transformer_config,
+                                      2 ** len(vae_config.get("temperal_downsample", [False, True, True])))
+        options = dataclasses.replace(options, height=height, width=width)
+        scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(path_or_hub_id, subfolder="scheduler")
+        _check_scheduler_config(dict(scheduler.config))
+        components = {
+            "scheduler": scheduler,
+            "vae": AutoencoderKLQwenImage.from_pretrained(
+                path_or_hub_id, subfolder="vae", torch_dtype=resolve_dtype(options.vae_dtype, dtype)),
+            "text_encoder": Qwen2_5_VLForConditionalGeneration.from_pretrained(
+                path_or_hub_id, subfolder="text_encoder",
+                **text_model_dtype(resolve_dtype(options.text_encoder_dtype, dtype))),
+            "tokenizer": Qwen2Tokenizer.from_pretrained(path_or_hub_id, subfolder="tokenizer"),
+            "processor": Qwen2VLProcessor.from_pretrained(path_or_hub_id, subfolder="processor"),
+        }
+        transformer = QwenImageTransformer2DModel.from_pretrained(path_or_hub_id, subfolder="transformer",
+                                                                  torch_dtype=dtype)
+        return cls(transformer, components, options, device=device, dtype=dtype)
+
+    # ---------------------------------------------------------------------------- prompts
+    def encode_prompts(self, prompts: list[str], images: list[Tensor] | None = None) -> Conditioning:
+        """positive/negative: {"prompt_embeds": (B, L, D), "prompt_embeds_mask": (B, L),
+        "image_latents": (B, tokens', 64)}; extra["source_shape"]: (3,) the source's RoPE shape
+        (1, h'/16, w'/16). One source image (3, h, w) in [0, 1] per prompt is required."""
+        from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
+        from PIL import Image
+
+        from flowgrpo.pixels import to_uint8
+
+        if isinstance(prompts, str):
+            raise TypeError("prompts must be a list of str (wrap a single prompt in a list)")
+        if images is None or len(images) != len(prompts) or any(i is None for i in images):
+            raise ValueError("qwen_image_edit edits images: give one source image per prompt "
+                             "(prompt records with an \"image\"; JSONL {\"prompt\", \"image\"})")
+        pipe = self.to_pipeline()
+        sizes = [calculate_dimensions(SOURCE_AREA, image.shape[-1] / image.shape[-2])[:2]
+                 for image in images]
+        if len(set(sizes)) > 1:
+            raise ValueError(f"qwen_image_edit: the source images of one batch must share an "
+                             f"aspect ratio (resized sizes {sorted(set(sizes))}); crop or pad the "
+                             f"prompt file's images to one aspect ratio")
+        width, height = sizes[0]
+        positive, negative, sources = [], [], []
+        with torch.no_grad(), self.text_encoders_on_device():
+            for prompt, image in zip(prompts, images):
+                pil = Image.fromarray(to_uint8(image))
+                resized = pipe.image_processor.resize(pil, height, width)
+                positive.append(self._text_row(pipe, prompt, resized))
+                if self.negative_prompt() is not None:
+                    negative.append(self._text_row(pipe, self.negative_prompt(), resized))
+                sources.append(pipe.image_processor.preprocess(resized, height, width))
+        pixels = torch.cat(sources).unsqueeze(2).to(self.device)      # (B, 3, 1, h', w')
+        with torch.no_grad(), self.vae_on_device():
+            z = pipe._encode_vae_image(pixels.to(self.vae.dtype), generator=None)
+        image_latents = pack_latents(z[:, :, 0].float()).to(self.dtype)
+        branches = [positive] + ([negative] if negative else [])
+        length = max(_text_length(row["prompt_embeds_mask"]) for rows in branches for row in rows)
+        stack = lambda rows: {k: torch.cat([_fit_text(r, length)[k] for r in rows])  # noqa: E731
+                              for k in ("prompt_embeds", "prompt_embeds_mask")}
+        cond_positive = {**stack(positive), "image_latents": image_latents}
+        cond_negative = {**stack(negative), "image_latents": image_latents} if negative else None
+        scale = self.vae_scale_factor * 2
+        shape = torch.tensor([1, height // scale, width // scale])
+        return Conditioning(positive=cond_positive, negative=cond_negative,
+                            extra={"source_shape": shape})
+
+    def _text_row(self, pipe, prompt: str, image) -> dict[str, Tensor]:
+        embeds, mask = pipe.encode_prompt(prompt=[prompt], image=image, device=self.device)
+        if mask is None:
+            mask = torch.ones(embeds.shape[:2], dtype=torch.long, device=embeds.device)
+        return {"prompt_embeds": embeds.to(self.device), "prompt_embeds_mask": mask.long().to(self.device)}
+
+    # ---------------------------------------------------------------------------- FlowModel
+    def velocity(self, latents: Tensor, sigma: Tensor, cond: Conditioning, guidance_scale: float) -> Tensor:
+        """Velocity (B, tokens, 64) float32 of the output tokens, the transformer seeing them
+        followed by the source's; true CFG as Qwen-Image (both branches see the source)."""
+        batch, tokens = latents.shape[:2]
+        if "image_latents" not in cond.positive or "source_shape" not in cond.extra:
+            raise ValueError("qwen_image_edit needs the source image: encode the prompts with "
+                             "encode_prompts(prompts, images=...)")
+        sigma = self._per_sample_sigma(sigma, batch, self.device)
+        if cond.batch_size != batch:
+            raise ValueError(f"cond has {cond.batch_size} rows but latents has {batch}")
+        use_cfg = self._use_cfg(cond, guidance_scale)
+        source = cond.positive["image_latents"].to(self.device, self.dtype)
+        hidden = torch.cat([latents.to(self.device, self.dtype), source], dim=1)
+        text = {k: cond.positive[k] for k in ("prompt_embeds", "prompt_embeds_mask")}
+        if use_cfg:
+            text = {k: torch.cat([cond.negative[k].to(v.device, v.dtype), v]) for k, v in text.items()}
+            hidden, sigma = torch.cat([hidden, hidden]), torch.cat([sigma, sigma])
+        length = _text_length(text["prompt_embeds_mask"])
+        embeds = text["prompt_embeds"][:, :length].to(self.device, self.dtype)
+        mask = text["prompt_embeds_mask"][:, :length].to(self.device)
+        mask = None if bool(mask.all()) else mask      # as the pipeline: no all-ones mask
+        shapes = [self.img_shapes[0], tuple(int(v) for v in cond.extra["source_shape"])]
+        out = self.transformer(hidden_states=hidden, timestep=sigma.to(hidden.dtype),
+                               encoder_hidden_states=embeds, encoder_hidden_states_mask=mask,
+                               img_shapes=[shapes] * hidden.shape[0],
+                               return_dict=False)[0][:, :tokens].float()
+        if not use_cfg:
+            return out
+        v_neg, v_pos = out.chunk(2)
+        combined = v_neg + guidance_scale * (v_pos - v_neg)
+        return combined * (v_pos.norm(dim=-1, keepdim=True) / combined.norm(dim=-1, keepdim=True))
