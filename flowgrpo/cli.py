@@ -91,7 +91,15 @@ def _train_input_errors() -> tuple[type[BaseException], ...]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    # argparse ends a positional list at the first flag, so `train CONFIG --resume latest a.b=1`
+    # would leave `a.b=1` unrecognised: key=value words after a flag are overrides too.
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if hasattr(args, "overrides") and all("=" in word and not word.startswith("-")
+                                               for word in extra):
+            args.overrides = [*(args.overrides or []), *extra]
+        else:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
     handler = getattr(args, "handler", None) or getattr(args, "func", None)
     if handler is None:
         parser.print_help()

@@ -477,3 +477,29 @@ def test_argument_parsers():
                                                           {"name": "my.mod:Cls", "weight": 0.5}]
     assert parse_reward_specs("[{name: ocr, batch_size: 4}, clip_score]") == \
         [{"name": "ocr", "batch_size": 4}, {"name": "clip_score"}]
+
+
+def test_overrides_may_follow_flags():
+    """`flowgrpo train CONFIG --overwrite run.max_iterations=5` (what the quickstart passes):
+    key=value words after a flag are overrides; other unknown words are still an error."""
+    from flowgrpo import cli
+
+    parser_args = []
+
+    def capture(args):
+        parser_args.append(args)
+        return 0
+
+    parser = cli.build_parser()
+    for action in parser._subparsers._group_actions[0].choices.values():
+        action.set_defaults(handler=capture)
+    original = cli.build_parser
+    cli.build_parser = lambda: parser
+    try:
+        assert cli.main(["train", "c.yaml", "a.b=1", "--overwrite", "run.max_iterations=5"]) == 0
+        assert parser_args[-1].overrides == ["a.b=1", "run.max_iterations=5"]
+        assert parser_args[-1].overwrite is True
+        with pytest.raises(SystemExit):
+            cli.main(["train", "c.yaml", "--overwrite", "--no-such-flag"])
+    finally:
+        cli.build_parser = original
