@@ -25,6 +25,11 @@ from torch import Tensor
 
 SCALES = ("group", "batch", "none")
 DECOUPLED_MODES = ("gdpo", "sum_then_normalize")
+# rewards.aggregation: "weighted_sum" (group-normalise the weighted total), "decoupled" (GDPO:
+# ``decoupled_advantages``), "decoupled_sum" (MixGRPO's advantage_aggr: GDPO without the final
+# batch normalisation). PER_COMPONENT: those built from each weighted component apart.
+REWARD_AGGREGATIONS = ("weighted_sum", "decoupled", "decoupled_sum")
+PER_COMPONENT = ("decoupled", "decoupled_sum")
 
 
 def mask_nonfinite(scores: Tensor) -> tuple[Tensor, int]:

@@ -254,7 +254,9 @@ class RewardSpec:
 @dataclass
 class RewardsConfig:
     components: list[RewardSpec] = _help("Rewards to combine.", default_factory=list)
-    aggregation: str = _help("weighted_sum (then group-normalise) | decoupled (GDPO).",
+    aggregation: str = _help("weighted_sum (then group-normalise) | decoupled (GDPO) | "
+                             "decoupled_sum (MixGRPO's advantage_aggr: GDPO without the final "
+                             "batch normalisation).",
                              default="weighted_sum")
     threaded: bool = _help("Score each rollout batch in a thread while the next one rolls out.",
                            default=True)

@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from flowgrpo.advantages import PER_COMPONENT
 from flowgrpo.config import ConfigError, TrainConfig
 from flowgrpo.lm_sampling import (eos_token_ids, generate_completions, pad_replay_inputs,
                                   token_logp)
@@ -313,7 +314,7 @@ class LMPolicy:
         truncated = [False] * batch
         completions = [""] * batch
         rewards: dict[str, Tensor] = {}
-        signal_keys = (list(self.reward.weights) if cfg.rewards.aggregation == "decoupled"
+        signal_keys = (list(self.reward.weights) if cfg.rewards.aggregation in PER_COMPONENT
                        else ["total"])
         rows = list(range(batch))
         rollout_seconds = reward_seconds = 0.0

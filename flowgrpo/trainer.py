@@ -26,7 +26,8 @@ import torch
 from torch import Tensor
 
 from flowgrpo import checkpoint as ckpt
-from flowgrpo.advantages import decoupled_advantages, group_advantages, mask_nonfinite
+from flowgrpo.advantages import (PER_COMPONENT, decoupled_advantages, group_advantages,
+                                 mask_nonfinite)
 from flowgrpo.config import (InputError, TrainConfig, dump_config, json_roundtrip, redact,
                              resume_signature, to_dict, validate)
 from flowgrpo.ema import EMA
@@ -286,10 +287,12 @@ class Trainer:
                     for k, v in rewards.items()}
         group_ids = acc.gather(batch.group_ids.to(device)).cpu()
         clip = t.adv_clip or None
-        if self.config.rewards.aggregation == "decoupled":
+        aggregation = self.config.rewards.aggregation
+        if aggregation in PER_COMPONENT:
             components = {k: v for k, v in gathered.items() if k in self.reward.weights}
-            advantages, stats = decoupled_advantages(components, self.reward.weights, group_ids,
-                                                     ddof=t.adv_ddof, eps=t.adv_eps, clip=clip)
+            advantages, stats = decoupled_advantages(
+                components, self.reward.weights, group_ids, ddof=t.adv_ddof, eps=t.adv_eps,
+                clip=clip, batch_normalize=aggregation == "decoupled")
         else:
             advantages, stats = group_advantages(gathered["total"], group_ids, scale=t.adv_scale,
                                                  ddof=t.adv_ddof, eps=t.adv_eps, clip=clip)
@@ -312,7 +315,7 @@ class Trainer:
         and ``curriculum_uniform_mixed_share`` (the estimated mixed share of a draw with and
         without the curriculum, after this update) and ``curriculum_seen_prompts``."""
         gathered, group_ids = self.gathered
-        keys = (list(self.reward.weights) if self.config.rewards.aggregation == "decoupled"
+        keys = (list(self.reward.weights) if self.config.rewards.aggregation in PER_COMPONENT
                 else ["total"])
         indices = self.group_prompts(iteration)
         mixed, informative = mixed_groups({k: gathered[k] for k in keys}, group_ids, len(indices))

@@ -10,7 +10,9 @@ score is NaN or the sum is not finite. Scores of +-inf arrive here as NaN alread
 
 ``aggregation`` tells the trainer how to turn this into advantages:
 ``"weighted_sum"``: group-normalise ``"total"``; ``"decoupled"`` (GDPO): normalise each key of
-``weights`` separately and combine with those weights (flowgrpo.advantages.decoupled_advantages).
+``weights`` separately, combine with those weights and normalise the sum over the batch;
+``"decoupled_sum"`` (MixGRPO's ``advantage_aggr``): the same without the final normalisation
+(flowgrpo.advantages.decoupled_advantages).
 """
 from __future__ import annotations
 
@@ -20,12 +22,12 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from flowgrpo.advantages import mask_nonfinite
+from flowgrpo.advantages import REWARD_AGGREGATIONS, mask_nonfinite
 
 from .base import score_with_components
 from .loading import ManagedReward, _split_spec, load_reward
 
-AGGREGATIONS = ("weighted_sum", "decoupled")
+AGGREGATIONS = REWARD_AGGREGATIONS   # how the trainer turns the scores into advantages
 TOTAL_KEY = "total"
 
 

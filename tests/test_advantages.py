@@ -229,3 +229,28 @@ def test_decoupled_advantages_reject_bad_arguments():
         decoupled_advantages(rewards, {"a": 1.0, "b": 1.0}, group_ids, mode="gdpo", scale="batch")
     with pytest.raises(ValueError, match="rewards\\['b'\\]"):
         decoupled_advantages({"a": torch.zeros(4), "b": torch.zeros(3)}, {"a": 1.0, "b": 1.0}, group_ids)
+
+
+def test_decoupled_sum_is_the_weighted_sum_of_per_reward_group_z_scores(tiny_sd3_path, tmp_path):
+    """rewards.aggregation: decoupled_sum (MixGRPO's advantage_aggr) gives A = sum_k w_k z_k
+    with z_k each reward's group z-score and no batch normalisation afterwards."""
+    from flowgrpo.trainer import Trainer
+    from tests.test_trainer import tiny_config
+
+    trainer = Trainer(tiny_config(
+        tiny_sd3_path, tmp_path, "rewards.aggregation=decoupled_sum", "training.adv_clip=0",
+        "rewards.components=[{name: 'tests.helpers:Brightness', weight: 2.0}, "
+        "{name: 'tests.helpers:Brightness', weight: 0.5, options: {label: b2}}]"))
+    group_ids = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
+    first = torch.tensor([0.1, 0.4, 0.2, 0.9, 0.5, 0.5, 0.3, 0.7])
+    second = torch.tensor([1.0, 0.0, 2.0, 1.0, 3.0, 1.0, 2.0, 2.0])
+    batch = type("Batch", (), {"group_ids": group_ids, "prompts": ["p"] * 8})()
+    advantages, _ = trainer.compute_advantages(
+        batch, {"brightness": first, "b2": second, "total": 2 * first + 0.5 * second})
+
+    def z(values):
+        grouped = values.view(2, 4)
+        mean, std = grouped.mean(1, keepdim=True), grouped.std(1, unbiased=False, keepdim=True)
+        return ((grouped - mean) / (std + 1e-4)).flatten()
+
+    torch.testing.assert_close(advantages, 2 * z(first) + 0.5 * z(second), atol=1e-5, rtol=1e-5)
