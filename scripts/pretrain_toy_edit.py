@@ -31,7 +31,7 @@ from flowgrpo.model import Conditioning  # noqa: E402
 from flowgrpo.rollout import eval_noise, sample_ode  # noqa: E402
 from flowgrpo.toyworld.editing import (EDIT_FAMILIES, apply_edit, choose_edit,  # noqa: E402
                                        edit_split, instruction, render_pair)
-from flowgrpo.toyworld.grammar import prompt_split  # noqa: E402
+from flowgrpo.toyworld.grammar import COLORS, prompt_split  # noqa: E402
 from pipelines.toy import ToyFlowModel, to_editing_model  # noqa: E402
 from reward_models.toy_edit import ToyEditReward  # noqa: E402
 
@@ -48,18 +48,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--warmup-steps", type=int, default=50)
     p.add_argument("--eval-seed", type=int, default=3)
+    p.add_argument("--edit-noise", type=float, default=0.0,
+                   help="share of examples whose target is a near miss (another colour, or in a "
+                        "two-object scene the other object recoloured), as the T2I model's "
+                        "--caption-noise: the model can edit but does not reliably (RL-able)")
     return p.parse_args(argv)
 
 
-def edit_batch(sources: list[dict], batch_size: int, rng: random.Random
+def near_miss_edit(source: dict, edit: dict, rng: random.Random) -> dict:
+    """The edit drawn instead of ``edit`` for a near-miss target: in a two-object scene the other
+    object recoloured (half the time), else the named object in another free colour."""
+    others = [o for o in source["objects"] if o["shape"] != edit["shape"]]
+    if others and rng.random() < 0.5:
+        return {**edit, "shape": others[0]["shape"]}
+    taken = {o["color"] for o in source["objects"]} | {edit["color"]}
+    return {**edit, "color": rng.choice([c for c in COLORS if c not in taken])}
+
+
+def edit_batch(sources: list[dict], batch_size: int, rng: random.Random, edit_noise: float = 0.0
                ) -> tuple[list[str], torch.Tensor, torch.Tensor]:
-    """(instructions, source images (B, 3, 24, 24), targets (B, 3, 24, 24)) in [0, 1]."""
+    """(instructions, source images (B, 3, 24, 24), targets (B, 3, 24, 24)) in [0, 1]; a share
+    ``edit_noise`` of the targets are near misses of the instruction (``near_miss_edit``)."""
     prompts, src, tgt = [], [], []
     for _ in range(batch_size):
         source = sources[rng.randrange(len(sources))]
         edit = choose_edit(source, rng)
         apply_edit(source, edit)          # validates the edit
-        a, b = render_pair(source, edit, rng.randrange(2 ** 31))
+        drawn = near_miss_edit(source, edit, rng) if rng.random() < edit_noise else edit
+        a, b = render_pair(source, drawn, rng.randrange(2 ** 31))
         prompts.append(instruction(edit))
         src.append(torch.from_numpy(a))
         tgt.append(torch.from_numpy(b))
@@ -108,7 +124,7 @@ def main(argv: list[str] | None = None) -> None:
         lr = args.lr * min(1.0, (step + 1) / args.warmup_steps) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * done)))
         for group in optimizer.param_groups:
             group["lr"] = lr
-        prompts, src, tgt = edit_batch(sources, args.batch_size, rng)
+        prompts, src, tgt = edit_batch(sources, args.batch_size, rng, args.edit_noise)
         x0 = 2 * tgt - 1
         noise = torch.randn_like(x0)
         sigma = torch.sigmoid(torch.randn(len(prompts)))
