@@ -107,6 +107,15 @@ class QwenImageModel(DiffusersFlowModel):
         _check_scheduler_config(self.scheduler_config)
 
     # ---------------------------------------------------------------------------- loading
+    # What a subclass (Qwen-Image-Edit) adds to the folder check and the components.
+    extra_folders: dict[str, str] = {}
+    wrong_folder_hint = ("this adapter is text-to-image (QwenImagePipeline, e.g. Qwen/Qwen-Image); "
+                         "editing and control variants need their own adapters")
+
+    @classmethod
+    def _extra_components(cls, path_or_hub_id: str) -> dict:
+        return {}
+
     @classmethod
     def from_pretrained(cls, path_or_hub_id: str, dtype: torch.dtype = torch.float32,
                         device: torch.device | str = "cpu",
@@ -122,12 +131,13 @@ class QwenImageModel(DiffusersFlowModel):
         require_attention_backend(options.attention_backend)
         check_pipeline_folder(path_or_hub_id, {
             "transformer": "config.json", "vae": "config.json", "scheduler": "scheduler_config.json",
-            "text_encoder": "config.json", "tokenizer": "tokenizer_config.json"}, cls.family)
-        pipeline_name = read_model_index(path_or_hub_id).get("_class_name", "QwenImagePipeline")
-        if pipeline_name != "QwenImagePipeline":
-            raise ValueError(f"qwen_image: {path_or_hub_id!r} is a {pipeline_name} folder; this "
-                             "adapter is text-to-image (QwenImagePipeline, e.g. Qwen/Qwen-Image); "
-                             "editing and control variants need their own adapters")
+            "text_encoder": "config.json", "tokenizer": "tokenizer_config.json",
+            **cls.extra_folders}, cls.family)
+        expected = cls.pipeline_class_path.split(":")[1]
+        pipeline_name = read_model_index(path_or_hub_id).get("_class_name", expected)
+        if pipeline_name != expected:
+            raise ValueError(f"{cls.family}: {path_or_hub_id!r} is a {pipeline_name} folder; "
+                             f"{cls.wrong_folder_hint}")
         transformer_config = QwenImageTransformer2DModel.load_config(path_or_hub_id, subfolder="transformer")
         _check_transformer_config(transformer_config)
         vae_config = AutoencoderKLQwenImage.load_config(path_or_hub_id, subfolder="vae")
@@ -147,6 +157,7 @@ class QwenImageModel(DiffusersFlowModel):
                 path_or_hub_id, subfolder="text_encoder",
                 **text_model_dtype(resolve_dtype(options.text_encoder_dtype, dtype))),
             "tokenizer": Qwen2Tokenizer.from_pretrained(path_or_hub_id, subfolder="tokenizer"),
+            **cls._extra_components(path_or_hub_id),
         }
         transformer = QwenImageTransformer2DModel.from_pretrained(path_or_hub_id, subfolder="transformer",
                                                                   torch_dtype=dtype)

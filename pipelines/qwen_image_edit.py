@@ -19,18 +19,12 @@ rows named. Source images reach the pipeline as 8-bit PIL images (what users han
 """
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 from torch import Tensor
 
 from flowgrpo.model import Conditioning
-from pipelines.base import (check_pipeline_folder, parse_options, read_model_index,
-                            require_attention_backend, resolve_dtype, text_model_dtype)
 from pipelines.flux import pack_latents
-from pipelines.qwen_image import (QwenImageModel, QwenImageOptions, _check_scheduler_config,
-                                  _check_transformer_config, _fit_text, _resolve_size,
-                                  _text_length)
+from pipelines.qwen_image import QwenImageModel, _fit_text, _text_length
 
 # QwenImageEditPipeline resizes every source image to about this many pixels.
 SOURCE_AREA = 1024 * 1024
@@ -44,49 +38,17 @@ class QwenImageEditModel(QwenImageModel):
     pipeline_class_path = "diffusers:QwenImageEditPipeline"
     supports_images = True
 
-    @classmethod
-    def from_pretrained(cls, path_or_hub_id: str, dtype: torch.dtype = torch.float32,
-                        device: torch.device | str = "cpu",
-                        options: QwenImageOptions | dict | None = None) -> "QwenImageEditModel":
-        """Every component (and the processor) with its class's ``from_pretrained``; validated as
-        Qwen-Image before any weights load."""
-        from diffusers import (AutoencoderKLQwenImage, FlowMatchEulerDiscreteScheduler,
-                               QwenImageTransformer2DModel)
-        from transformers import (Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer,
-                                  Qwen2VLProcessor)
+    # Loading is Qwen-Image's (``QwenImageModel.from_pretrained``) plus the processor.
+    extra_folders = {"processor": "tokenizer_config.json"}
+    wrong_folder_hint = ("this adapter is Qwen-Image-Edit (QwenImageEditPipeline, e.g. "
+                         "Qwen/Qwen-Image-Edit); use qwen_image for text-to-image")
 
-        options = parse_options(QwenImageOptions, options, cls.family)
-        require_attention_backend(options.attention_backend)
-        check_pipeline_folder(path_or_hub_id, {
-            "transformer": "config.json", "vae": "config.json", "scheduler": "scheduler_config.json",
-            "text_encoder": "config.json", "tokenizer": "tokenizer_config.json",
-            "processor": "tokenizer_config.json"}, cls.family)
-        pipeline_name = read_model_index(path_or_hub_id).get("_class_name", "QwenImageEditPipeline")
-        if pipeline_name != "QwenImageEditPipeline":
-            raise ValueError(f"qwen_image_edit: {path_or_hub_id!r} is a {pipeline_name} folder; "
-                             "this adapter is Qwen-Image-Edit (QwenImageEditPipeline, e.g. "
-                             "Qwen/Qwen-Image-Edit); use qwen_image for text-to-image")
-        transformer_config = QwenImageTransformer2DModel.load_config(path_or_hub_id, subfolder="transformer")
-        _check_transformer_config(transformer_config)
-        vae_config = AutoencoderKLQwenImage.load_config(path_or_hub_id, subfolder="vae")
-        height, width = _resolve_size(options, transformer_config,
-                                      2 ** len(vae_config.get("temperal_downsample", [False, True, True])))
-        options = dataclasses.replace(options, height=height, width=width)
-        scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(path_or_hub_id, subfolder="scheduler")
-        _check_scheduler_config(dict(scheduler.config))
-        components = {
-            "scheduler": scheduler,
-            "vae": AutoencoderKLQwenImage.from_pretrained(
-                path_or_hub_id, subfolder="vae", torch_dtype=resolve_dtype(options.vae_dtype, dtype)),
-            "text_encoder": Qwen2_5_VLForConditionalGeneration.from_pretrained(
-                path_or_hub_id, subfolder="text_encoder",
-                **text_model_dtype(resolve_dtype(options.text_encoder_dtype, dtype))),
-            "tokenizer": Qwen2Tokenizer.from_pretrained(path_or_hub_id, subfolder="tokenizer"),
-            "processor": Qwen2VLProcessor.from_pretrained(path_or_hub_id, subfolder="processor"),
-        }
-        transformer = QwenImageTransformer2DModel.from_pretrained(path_or_hub_id, subfolder="transformer",
-                                                                  torch_dtype=dtype)
-        return cls(transformer, components, options, device=device, dtype=dtype)
+    @classmethod
+    def _extra_components(cls, path_or_hub_id: str) -> dict:
+        from transformers import Qwen2VLProcessor
+
+        return {"processor": Qwen2VLProcessor.from_pretrained(path_or_hub_id,
+                                                               subfolder="processor")}
 
     # ---------------------------------------------------------------------------- prompts
     def encode_prompts(self, prompts: list[str], images: list[Tensor] | None = None) -> Conditioning:
