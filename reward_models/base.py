@@ -51,6 +51,7 @@ REGISTRY: dict[str, str] = {
     "remote": "reward_models.remote:RemoteReward",
     "geneval_toy": "reward_models.geneval_toy:GenevalToyReward",
     "toy_edit": "reward_models.toy_edit:ToyEditReward",
+    "toy_artifacts": "reward_models.toy_quality:ToyArtifactsReward",
 }
 
 
