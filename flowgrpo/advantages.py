@@ -170,8 +170,9 @@ def group_advantages(rewards: Tensor, group_ids: Tensor, *, scale: str = "group"
 
 def decoupled_advantages(rewards: dict[str, Tensor], weights: dict[str, float], group_ids: Tensor, *,
                          mode: str = "gdpo", ddof: int = 0, eps: float = 1e-4, clip: float | None = 5.0,
-                         batch_normalize: bool = True,
-                         scale: str = "group") -> tuple[Tensor, dict[str, float]]:
+                         batch_normalize: bool = True, scale: str = "group",
+                         component_scales: dict[str, Tensor] | None = None
+                         ) -> tuple[Tensor, dict[str, float]]:
     """Advantages from several named rewards.
 
     ``mode="gdpo"`` (GDPO): each reward k gets its own group z-score A_k (``scale="group"``
@@ -184,6 +185,9 @@ def decoupled_advantages(rewards: dict[str, Tensor], weights: dict[str, float], 
 
     A sample with NaN in any component gets advantage 0 and is left out of the batch statistics
     of S (and of the total's statistics). Finally A is clamped to [-clip, clip] when clip is set.
+
+    ``component_scales`` (name -> (B,), e.g. ``saturation_weights``) multiplies each weight per
+    sample: w_k becomes w_k * c_{k,i} in S (GDPO) or in the total (sum_then_normalize).
 
     Args:
         rewards: name -> (B,) float tensor, NaN = no score.
@@ -218,16 +222,25 @@ def decoupled_advantages(rewards: dict[str, Tensor], weights: dict[str, float], 
             raise ValueError(f"rewards[{name!r}] has {rewards[name].shape[0]} samples but "
                              f"rewards[{names[0]!r}] has {batch}; all components need shape (B,)")
     _check_common(group_ids, batch, ddof, eps, clip)
+    if component_scales is not None and set(component_scales) != set(rewards):
+        raise ValueError(f"component_scales must have exactly the keys of rewards (got "
+                         f"{sorted(component_scales)}, rewards {names})")
 
     device = rewards[names[0]].device
     values = {name: rewards[name].detach().to(device=device, dtype=torch.float64) for name in names}
+
+    def weight(name: str) -> float | Tensor:
+        if component_scales is None:
+            return float(weights[name])
+        return float(weights[name]) * component_scales[name].to(device=device, dtype=torch.float64)
+
     valid = torch.ones(batch, dtype=torch.bool, device=device)
     for name in names:
         valid &= ~torch.isnan(values[name])
 
     stats: dict[str, float] = {}
     if mode == "sum_then_normalize":
-        total = sum(float(weights[name]) * values[name] for name in names)
+        total = sum(weight(name) * values[name] for name in names)
         advantages, total_stats = group_advantages(total, group_ids, scale=scale, ddof=ddof, eps=eps, clip=clip)
         stats.update(total_stats)
         for name in names:
@@ -242,7 +255,7 @@ def decoupled_advantages(rewards: dict[str, Tensor], weights: dict[str, float], 
     for name in names:
         component, component_stats = group_advantages(values[name], group_ids, scale="group", ddof=ddof,
                                                       eps=eps, clip=None)
-        combined += float(weights[name]) * component.to(torch.float64)
+        combined += weight(name) * component.to(torch.float64)
         component_valid = ~torch.isnan(values[name])
         _, _, zero_std_g = _group_statistics(values[name], component_valid, group_index,
                                              unique_ids.shape[0], ddof)
@@ -270,3 +283,185 @@ def _component_stats(name: str, values: Tensor, component_stats: dict[str, float
     return {f"{name}/nan_count": component_stats["nan_count"],
             f"{name}/zero_std_fraction": component_stats["zero_std_fraction"],
             f"{name}/mean": finite.mean().item() if finite.numel() else float("nan")}
+
+
+# --------------------------------------------------------------------------- guards
+# Guards against reward hacking that act on the gathered batch (docs/design.md, "Guards against
+# reward hacking"): which samples the KL applies to, diversity-aware amplification, saturation
+# weights of reward components. Pure functions; the trainer calls them once per iteration.
+
+def kl_gate_weights(uncertainty: Tensor, fraction: float) -> Tensor:
+    """GARDO's gate: the KL applies to the samples whose reward is least trusted.
+
+    k = floor(fraction * B + 1/2) (the nearest integer, halves up); t = the k-th largest
+    uncertainty; a sample is gated in (weight 1) when u >= t, else out (weight 0). Ties with
+    the k-th value are all gated, so a tie can gate more than k samples; the rule depends only on
+    the values (not their order), so every process given the gathered batch agrees. NaN counts
+    as the largest uncertainty (a sample whose uncertainty cannot be computed is not trusted).
+    ``fraction`` 0 gates nothing; 1 gates every sample (the plain KL).
+
+    Args:
+        uncertainty: (B,) float, higher = less trusted.
+        fraction: q in [0, 1].
+
+    Returns:
+        (B,) float32 of 1.0 (gated) and 0.0 on the uncertainty's device.
+    """
+    _check_rewards(uncertainty, "uncertainty")
+    if not 0.0 <= fraction <= 1.0:
+        raise ValueError(f"fraction must be in [0, 1] (got {fraction})")
+    batch = uncertainty.shape[0]
+    count = min(batch, int(fraction * batch + 0.5))
+    if count == 0:
+        return torch.zeros(batch, dtype=torch.float32, device=uncertainty.device)
+    values = uncertainty.detach().to(torch.float64)
+    values = torch.where(torch.isnan(values), torch.full_like(values, float("inf")), values)
+    threshold = torch.topk(values, count).values[-1]
+    return (values >= threshold).to(torch.float32)
+
+
+def win_rate(rewards: Tensor) -> Tensor:
+    """Each sample's win rate in the batch: the share of the other valid samples it beats, ties
+    counting one half, (B,) float64 in [0, 1]; NaN where the reward is NaN, and 0.5 for a lone
+    valid sample."""
+    _check_rewards(rewards, "rewards")
+    values = rewards.detach().to(torch.float64)
+    valid = ~torch.isnan(values)
+    others = valid.sum() - 1
+    below = (values[None, :] < values[:, None]) & valid[None, :]
+    tied = (values[None, :] == values[:, None]) & valid[None, :]
+    wins = below.sum(dim=1) + 0.5 * (tied.sum(dim=1) - 1)     # a valid sample ties itself
+    rate = torch.where(others > 0, wins / others.clamp(min=1), torch.full_like(values, 0.5))
+    return torch.where(valid, rate, torch.full_like(values, float("nan")))
+
+
+def win_rate_gap(trained: Tensor, auxiliary: list[Tensor]) -> Tensor:
+    """GARDO's uncertainty of the trained reward, (B,) float64 in [-1, 1]:
+
+        U_i = winrate(trained)_i - mean_k winrate(auxiliary_k)_i
+
+    over the batch: high when the trained reward ranks a sample far above where the auxiliary
+    rewards (models not optimised against) rank it, the signature of a hacked sample. NaN where
+    any of the rewards is NaN.
+
+    Args:
+        trained: (B,) the reward the advantages come from (the total).
+        auxiliary: K >= 1 tensors (B,) of other rewards, e.g. weight-0 components.
+    """
+    if not auxiliary:
+        raise ValueError("auxiliary must hold at least one reward tensor (B,)")
+    for index, values in enumerate(auxiliary):
+        if values.shape != trained.shape:
+            raise ValueError(f"auxiliary[{index}] has shape {tuple(values.shape)}; every reward "
+                             f"needs the trained reward's shape {tuple(trained.shape)}")
+    auxiliary_rate = torch.stack([win_rate(values) for values in auxiliary]).mean(dim=0)
+    return win_rate(trained) - auxiliary_rate
+
+
+def diversity_weights(features: Tensor, group_ids: Tensor, advantages: Tensor
+                      ) -> tuple[Tensor, dict[str, float]]:
+    """GARDO's diversity-aware shaping weights: a positive advantage is scaled by how far the
+    sample lies from its nearest group neighbour, relative to the group's average.
+
+        d_i = min_{j != i, same group} (1 - cos(f_i, f_j))      (nearest-neighbour distance)
+        w_i = d_i / mean_{j in group} d_j    where A_i > 0
+        w_i = 1                              where A_i <= 0, the group has one sample, or every
+                                             d in it is 0 (identical samples)
+
+    so within a group the weights of its samples average 1 over all members, a positive sample
+    more distinct than average is amplified (w > 1) and a near-duplicate is damped (w < 1);
+    negative advantages are left alone (GARDO shapes only the samples it rewards). A zero
+    feature vector has cosine 0 to every other (distance 1).
+
+    Args:
+        features: (B, D) float feature of each sample's media (any feature space).
+        group_ids: (B,) integer group labels.
+        advantages: (B,) the advantages to be shaped (only their sign is read).
+
+    Returns:
+        weights (B,) float32 on the advantages' device, and stats (python floats) over the
+        samples with A > 0: ``diversity_weight_mean``, ``diversity_weight_max``,
+        ``diversity_amplified_share`` (share with w > 1).
+    """
+    if features.dim() != 2 or features.shape[0] != advantages.shape[0]:
+        raise ValueError(f"features must have shape (B, D) with B = {advantages.shape[0]} "
+                         f"(got {tuple(features.shape)})")
+    _check_rewards(advantages, "advantages")
+    _check_common(group_ids, advantages.shape[0], 0, 0.0, None)
+    unit = torch.nn.functional.normalize(features.detach().to(torch.float64), dim=1)
+    group_ids = group_ids.to(unit.device)
+    nearest = torch.zeros(unit.shape[0], dtype=torch.float64, device=unit.device)
+    relative = torch.ones_like(nearest)
+    for group in torch.unique(group_ids):
+        members = (group_ids == group).nonzero().flatten()
+        if members.numel() < 2:
+            continue
+        block = unit[members]
+        distance = (1.0 - block @ block.T).clamp(0.0, 2.0)
+        distance.fill_diagonal_(float("inf"))
+        closest = distance.min(dim=1).values
+        nearest[members] = closest
+        average = closest.mean()
+        if average > 0:
+            relative[members] = closest / average
+    positive = (advantages.detach() > 0).to(unit.device)
+    weights = torch.where(positive, relative, torch.ones_like(relative)).to(torch.float32)
+    shaped = weights[positive]
+    stats = {"diversity_weight_mean": shaped.double().mean().item() if shaped.numel() else 1.0,
+             "diversity_weight_max": shaped.max().item() if shaped.numel() else 1.0,
+             "diversity_amplified_share":
+                 (shaped > 1).double().mean().item() if shaped.numel() else 0.0}
+    return weights.to(advantages.device), stats
+
+
+def saturation_weights(rewards: dict[str, Tensor], group_ids: Tensor, *, ratio: float,
+                       ddof: int = 0) -> tuple[dict[str, Tensor], dict[str, float]]:
+    """Per-group weights of reward components that no longer separate a group (after the idea of
+    TaRoS: a saturated component should stop dominating the advantage; the paper's own rule was
+    not available, so this is the rule of this code base):
+
+        s_{g,k} = min(1, std_{g,k} / (ratio * std_{B,k}))      (0 when std_{B,k} = 0)
+
+    with std_{g,k} the std of component k's valid values in group g (0 with fewer than two, or
+    when they are all equal) and std_{B,k} its std over the whole batch's valid values, both with
+    ``ddof``. A component constant within a group gets weight 0 there; a group whose spread is
+    at least ``ratio`` times the batch spread keeps the full weight (so with equal spreads and
+    ratio <= 1 the weights are the plain ones); in between the weight falls linearly.
+
+    Args:
+        rewards: name -> (B,) float, NaN = no score.
+        group_ids: (B,) integer group labels.
+        ratio: in (0, 1], the share of the batch spread below which a group's weight shrinks.
+
+    Returns:
+        name -> (B,) float64 per-sample weight s_{g(i),k}, and stats: ``saturation/<name>/weight``
+        (mean over groups) and ``saturation/<name>/zero_share`` (share of groups with s = 0).
+    """
+    if not 0.0 < ratio <= 1.0:
+        raise ValueError(f"ratio must be in (0, 1] (got {ratio})")
+    if not rewards:
+        raise ValueError("rewards must hold at least one named reward tensor")
+    names = sorted(rewards)
+    batch = rewards[names[0]].shape[0]
+    for name in names:
+        _check_rewards(rewards[name], f"rewards[{name!r}]")
+        if rewards[name].shape[0] != batch:
+            raise ValueError(f"rewards[{name!r}] has {rewards[name].shape[0]} samples but "
+                             f"rewards[{names[0]!r}] has {batch}; all components need shape (B,)")
+    _check_common(group_ids, batch, ddof, 0.0, None)
+    device = rewards[names[0]].device
+    unique_ids, group_index = torch.unique(group_ids.to(device), return_inverse=True)
+    weights: dict[str, Tensor] = {}
+    stats: dict[str, float] = {}
+    for name in names:
+        values = rewards[name].detach().to(torch.float64)
+        valid = ~torch.isnan(values)
+        _, std_g, _ = _group_statistics(values, valid, group_index, unique_ids.shape[0], ddof)
+        std_batch = _masked_std(values, valid, ddof)
+        per_group = torch.where(std_batch > 0,
+                                (std_g / (ratio * std_batch)).clamp(max=1.0),
+                                torch.zeros_like(std_g))
+        weights[name] = per_group[group_index]
+        stats[f"saturation/{name}/weight"] = per_group.mean().item()
+        stats[f"saturation/{name}/zero_share"] = (per_group == 0).double().mean().item()
+    return weights, stats

@@ -12,6 +12,7 @@ Flow transitions
     ``guard_step_weights``     GRPO-Guard 1/D gradient reweighting
     ``rectification_weights``  Flash-GRPO temporal rectification kappa
     ``flow_kl``                KL to the reference policy per dim
+    ``gated_kl``               the KL's mean over the rows a gate lets in (GARDO)
 
 Language-model tokens
     ``token_policy_loss``      GRPO / BNPO / Dr. GRPO / DAPO aggregation, token or sequence
@@ -321,6 +322,28 @@ def flow_kl(mean: Tensor, mean_ref: Tensor, std: Tensor) -> Tensor:
     dtype = _compute_dtype(mean, std)
     std = std.detach().to(dtype)
     return _mean_over_dims((mean.to(dtype) - mean_ref.detach().to(dtype)) ** 2) / (2 * std ** 2)
+
+
+def gated_kl(kl: Tensor, weights: Tensor) -> Tensor:
+    """The KL term of a replay batch under GARDO's gate, a scalar:
+
+        sum_i w_i kl_i / #{i : w_i > 0}      (0 when no row is gated in)
+
+    the mean of w kl over the rows the gate lets in (w = 1 in, 0 out), the normaliser
+    ``policy_loss`` uses for its rows. With every w = 1 it is kl.mean(), the ungated KL. Rows with
+    w = 0 contribute neither value nor gradient (a NaN kl there does not reach the value).
+
+    Args:
+        kl: (B,) per-row KL (``flow_kl``), carries the gradient.
+        weights: (B,) >= 0 gate weights (detached).
+    """
+    if kl.dim() != 1:
+        raise ValueError(f"kl must have shape (B,) (got {tuple(kl.shape)})")
+    _check_shape(weights, "weights", tuple(kl.shape), "(B,) like kl")
+    weights = weights.detach().to(device=kl.device, dtype=kl.dtype)
+    kept = weights > 0
+    total = torch.where(kept, weights * kl, torch.zeros_like(kl)).sum()
+    return total / kept.sum().clamp(min=1).to(kl.dtype)
 
 
 def token_policy_loss(logp: Tensor, logp_old: Tensor, advantages: Tensor, mask: Tensor, *,

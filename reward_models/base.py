@@ -52,6 +52,7 @@ REGISTRY: dict[str, str] = {
     "geneval_toy": "reward_models.geneval_toy:GenevalToyReward",
     "toy_edit": "reward_models.toy_edit:ToyEditReward",
     "toy_artifacts": "reward_models.toy_quality:ToyArtifactsReward",
+    "ensemble": "reward_models.ensemble:EnsembleReward",
 }
 
 
