@@ -18,6 +18,8 @@ Layout of ``checkpoints/<iteration>/``::
                                       engine's sharded model and optimiser state (its own format,
                                       read back only by ``--resume`` of the same run)
     ema.safetensors                   EMA shadow weights (when enabled)
+    reference.safetensors             the KL reference's trainable tensors after a refresh
+                                      (training.gardo.refresh_every / refresh_kl)
     rng.safetensors                   torch CPU RNG state
     trainer_state.json                iteration, EMA counters, run id, the resume signature
     COMPLETE.json                     written last: every other file with its size and sha256
@@ -53,6 +55,7 @@ TMP_PREFIX = ".tmp-"          # a save (or a removal) in progress: always safe t
 OLD_PREFIX = ".old-"          # the previous folder of an iteration being re-saved
 ENGINE_PREFIX = ".engine-"    # a sharded engine's state before it moves into its checkpoint
 SUPERSEDED = "superseded"     # checkpoints after a resumed one, set aside (never deleted)
+REFERENCE = "reference.safetensors"   # the refreshed KL reference (training.gardo)
 # Test hook: seconds to sleep after each file of a save, so that a test can kill the process
 # in the middle of one (tests/test_reliability.py). Unset in normal use.
 FAULT_SLEEP_ENV = "FLOWGRPO_FAULT_SAVE_SLEEP"
@@ -164,10 +167,12 @@ def save_checkpoint(directory: str | Path, *, iteration: int, trainable: dict[st
                     optimizer: torch.optim.Optimizer | None, ema_state: dict[str, torch.Tensor] | None,
                     ema_counters: dict[str, int] | None,
                     save_lora: Callable[[str], None] | None = None, extra: dict | None = None,
-                    engine_dir: str | Path | None = None) -> Path:
+                    engine_dir: str | Path | None = None,
+                    tensor_files: dict[str, dict[str, torch.Tensor]] | None = None) -> Path:
     """Write checkpoint ``directory`` atomically and durably (see the module docstring).
     ``save_lora(dir)`` writes the user-facing weights; ``engine_dir`` (a sharded engine's
-    ``save_state`` folder) moves in as ``engine/`` before the marker is written."""
+    ``save_state`` folder) moves in as ``engine/`` before the marker is written;
+    ``tensor_files`` (file name -> tensors) are more safetensors files, e.g. ``REFERENCE``."""
     directory = Path(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = directory.with_name(f"{TMP_PREFIX}{directory.name}")
@@ -186,6 +191,9 @@ def save_checkpoint(directory: str | Path, *, iteration: int, trainable: dict[st
         save_file({k: v.contiguous().cpu() for k, v in ema_state.items()}, str(tmp / "ema.safetensors"))
         _fault_pause()
     save_file({"torch_cpu": torch.get_rng_state()}, str(tmp / "rng.safetensors"))
+    for name, tensors in (tensor_files or {}).items():
+        save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(tmp / name))
+        _fault_pause()
     if save_lora is not None:
         save_lora(str(tmp))
         _fault_pause()

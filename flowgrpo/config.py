@@ -173,6 +173,58 @@ class EmaConfig:
 
 
 @dataclass
+class GardoConfig:
+    """Guards against reward hacking after GARDO (Gated and Adaptive Regularization with
+    Diversity-aware Optimization, He et al. 2025): the KL only where the reward is least trusted,
+    a reference that moves with the policy, and amplified advantages for distinct good samples.
+    Every guard is off by default; docs/design.md, "Guards against reward hacking"."""
+
+    kl_gate_key: str | None = _help(
+        "Gate the KL (training.kl_beta) by this reward output's per-sample uncertainty, e.g. "
+        "'ensemble.std' or 'toy_proxy.std' (a reward key or '<key>.<component>'): the KL "
+        "applies only to the kl_gate_fraction of the batch with the highest values. None = no "
+        "gate by key.", default=None)
+    kl_gate_auxiliary: list[str] = _help(
+        "Gate the KL by GARDO's uncertainty instead: the win rate of the total reward in the "
+        "batch minus the mean win rate under these reward keys (e.g. weight-0 components "
+        "[aesthetic, clip_score]), high where the trained reward alone rates a sample well. "
+        "Empty = no gate by auxiliary rewards.", default_factory=list)
+    kl_gate_fraction: float = _help(
+        "Share q of the batch the gated KL applies to, in [0, 1] (GARDO starts at 0.1); 1 = "
+        "every sample (the plain KL). The KL of a replay batch is then beta * mean over its "
+        "gated rows.", default=0.1)
+    refresh_every: int = _help(
+        "Make the KL reference the current policy every N iterations since the last refresh "
+        "(0 = never): full fine-tuning copies the weights into the frozen reference, LoRA keeps "
+        "a snapshot of the adapter that the reference pass swaps in. Saved in checkpoints "
+        "(reference.safetensors).", default=0)
+    refresh_kl: float = _help(
+        "Also refresh right after an iteration whose mean KL (train/kl, over every process) "
+        "exceeded this (GARDO's adaptive trigger; 0 = off).", default=0.0)
+    diversity: bool = _help(
+        "Diversity-aware amplification: multiply each positive advantage by the sample's "
+        "nearest-neighbour feature distance within its group over the group's mean distance.",
+        default=False)
+    diversity_features: str = _help(
+        "Feature of the media for diversity: 'pixels' (average-pooled to diversity_feature_size "
+        "squared, no weights needed) or 'package.module:Class' (built with "
+        "diversity_feature_options, called on (B, ...) media in [0, 1], returning (B, D)).",
+        default="pixels")
+    diversity_feature_size: int = _help("Side of the pooled image of the 'pixels' feature.",
+                                        default=16)
+    diversity_feature_options: dict[str, Any] = _help(
+        "Constructor options of a diversity_features class.", default_factory=dict)
+
+    @property
+    def kl_gate(self) -> bool:
+        return self.kl_gate_key is not None or bool(self.kl_gate_auxiliary)
+
+    @property
+    def refresh(self) -> bool:
+        return self.refresh_every > 0 or self.refresh_kl > 0
+
+
+@dataclass
 class TrainingConfig:
     prompts_per_iteration: int = _help("Groups (distinct prompts) per iteration, over all processes.",
                                        default=8)
@@ -242,6 +294,8 @@ class TrainingConfig:
         "DDP's find_unused_parameters: set it when some trainable parameters get no gradient "
         "in a forward (DDP then stops with 'Expected to have finished reduction').", default=False)
     ema: EmaConfig = _help("EMA of trainable weights.", default_factory=EmaConfig)
+    gardo: GardoConfig = _help("Guards against reward hacking (GARDO); all off by default.",
+                               default_factory=GardoConfig)
 
 
 @dataclass
@@ -260,6 +314,11 @@ class RewardsConfig:
                              default="weighted_sum")
     threaded: bool = _help("Score each rollout batch in a thread while the next one rolls out.",
                            default=True)
+    saturation_ratio: float = _help(
+        "Saturation weighting of several components (after the idea of TaRoS; 0 = off): in each "
+        "group, component k's weight is scaled by min(1, its std in the group / (ratio * its std "
+        "over the batch)), so a component that no longer separates a group stops dominating its "
+        "advantage. In (0, 1], e.g. 0.5; needs >= 2 weighted components.", default=0.0)
 
 
 @dataclass
@@ -598,6 +657,13 @@ def _check_reward_names(config: TrainConfig) -> None:
             raise ConfigError(f"rewards.components[{i}].name: unknown reward {spec.name!r}; "
                               f"available: {', '.join(known)}; or give your own class as "
                               f"'package.module:Class'")
+        members = spec.options.get("members") if spec.name == "ensemble" else None
+        for j, member in enumerate(members if isinstance(members, list) else []):
+            name = member.get("name") if isinstance(member, dict) else member
+            if isinstance(name, str) and ":" not in name and name not in known:
+                raise ConfigError(f"rewards.components[{i}].options.members[{j}]: unknown "
+                                  f"reward {name!r}; available: {', '.join(known)}; or give "
+                                  f"your own class as 'package.module:Class'")
 
 
 def validate(config: TrainConfig, num_processes: int = 1) -> None:
@@ -758,6 +824,7 @@ def validate(config: TrainConfig, num_processes: int = 1) -> None:
                   meaning=" (tokens before llm.max_new_tokens; 0 = off)")
         _positive(llm.overlong_penalty, "llm.overlong_penalty", allow_zero=True)
         _positive(llm.eval_temperature, "llm.eval_temperature", allow_zero=True)
+    _check_guards(config)
     run = config.run
     _positive(run.max_iterations, "run.max_iterations")
     _positive(run.eval_every, "run.eval_every", allow_zero=True)
@@ -768,6 +835,114 @@ def validate(config: TrainConfig, num_processes: int = 1) -> None:
         raise ConfigError("run.output_dir is empty: give the folder that holds run folders, "
                           "e.g. runs")
     _choice(run.tracker, ("tensorboard", "wandb", "none"), "run.tracker")
+
+
+def reward_output_keys(config: TrainConfig) -> dict[str, tuple[str, ...] | None] | None:
+    """The main-score keys the config's rewards will output, each with its known component
+    names (None: known only once the reward loads), plus "total"; None when some key itself is
+    known only at load (a ``module:Class`` reward without a ``label``)."""
+    keys: dict[str, tuple[str, ...] | None] = {"total": ()}
+    for spec in config.rewards.components:
+        label = spec.options.get("label")
+        if label is None and ":" in spec.name:
+            return None
+        key = label if label is not None else spec.name
+        components = None
+        if spec.name == "ensemble" and isinstance(spec.options.get("members"), list):
+            from reward_models.ensemble import ENSEMBLE_KEYS, member_keys
+
+            try:
+                components = (*ENSEMBLE_KEYS, *member_keys(spec.options["members"]))
+            except (TypeError, ValueError):
+                components = None   # the ensemble reports its own error when it loads
+        keys[key] = components
+    return keys
+
+
+def check_reward_key(key: str, field_name: str, known: dict[str, tuple[str, ...] | None]) -> None:
+    """ConfigError naming ``field_name`` unless ``key`` ('<key>' or '<key>.<component>') can be
+    one of the reward outputs ``known`` (``reward_output_keys``, or the loaded rewards' keys)."""
+    main, _, component = key.partition(".")
+    if main not in known:
+        raise ConfigError(f"{field_name}: {key!r} names no reward output; the rewards output "
+                          f"{', '.join(sorted(known))} (and '<key>.<component>' for rewards with "
+                          f"components): use one of them")
+    components = known[main]
+    if component and components is not None and component not in components:
+        listed = ", ".join(f"{main}.{c}" for c in components) or f"none for {main!r}"
+        raise ConfigError(f"{field_name}: reward {main!r} has no component {component!r}; its "
+                          f"components: {listed}")
+
+
+def _check_guards(config: TrainConfig) -> None:
+    """training.gardo and rewards.saturation_ratio: ranges, what each guard needs, and the
+    reward keys they name (as far as the config tells them)."""
+    g, t, r = config.training.gardo, config.training, config.rewards
+    flow_only = []
+    if g.kl_gate:
+        flow_only.append("training.gardo.kl_gate_key / kl_gate_auxiliary")
+    if g.refresh:
+        flow_only.append("training.gardo.refresh_every / refresh_kl")
+    if g.diversity:
+        flow_only.append("training.gardo.diversity")
+    if flow_only and config.policy != "flow":
+        raise ConfigError(f"{flow_only[0]} is for policy: flow (the guards act on flow "
+                          f"transitions and images); switch it off for policy: {config.policy}")
+    _in_range(g.kl_gate_fraction, 0.0, 1.0, "training.gardo.kl_gate_fraction",
+              meaning=" (the share of the batch the gated KL applies to)")
+    if g.kl_gate_key is not None and g.kl_gate_auxiliary:
+        raise ConfigError("training.gardo.kl_gate_key and training.gardo.kl_gate_auxiliary are "
+                          "two uncertainty sources for the KL gate: set one of them")
+    if g.kl_gate and t.kl_beta == 0:
+        raise ConfigError("training.gardo.kl_gate_key / kl_gate_auxiliary gate the KL term, but "
+                          "training.kl_beta is 0: set kl_beta > 0 (e.g. 0.04) or remove the gate")
+    known = reward_output_keys(config) if config.policy == "flow" else None
+    if g.kl_gate_key is not None:
+        if not g.kl_gate_key:
+            raise ConfigError("training.gardo.kl_gate_key is empty: give a reward output key "
+                              "such as 'ensemble.std', or null for no gate")
+        if known is not None:
+            check_reward_key(g.kl_gate_key, "training.gardo.kl_gate_key", known)
+    for i, key in enumerate(g.kl_gate_auxiliary):
+        if not key or key == "total":
+            raise ConfigError(f"training.gardo.kl_gate_auxiliary[{i}] is {key!r}: give another "
+                              f"reward's key (the total is what the gate compares against)")
+        if known is not None:
+            check_reward_key(key, f"training.gardo.kl_gate_auxiliary[{i}]", known)
+    _positive(g.refresh_every, "training.gardo.refresh_every", allow_zero=True)
+    _positive(g.refresh_kl, "training.gardo.refresh_kl", allow_zero=True)
+    if g.refresh and t.kl_beta == 0 and t.kl_reward == 0:
+        raise ConfigError("training.gardo.refresh_every / refresh_kl refresh the KL reference, "
+                          "which no term uses: set training.kl_beta > 0 (or kl_reward > 0), or "
+                          "set refresh_every and refresh_kl to 0")
+    if g.diversity:
+        _positive(g.diversity_feature_size, "training.gardo.diversity_feature_size")
+        source = g.diversity_features
+        if source != "pixels" and (":" not in source or source.startswith(":")
+                                   or source.endswith(":")):
+            raise ConfigError(f"training.gardo.diversity_features must be 'pixels' or "
+                              f"'package.module:Class' (got {source!r})")
+    ratio = r.saturation_ratio
+    if ratio != 0:
+        _in_range(ratio, 0.0, 1.0, "rewards.saturation_ratio", low_open=True,
+                  meaning=" (0 = off)")
+        # the llm policy adds DAPO's overlong shaping as one more weighted component
+        weighted = sum(spec.weight != 0 for spec in r.components) + int(
+            config.policy == "llm" and config.llm.overlong_buffer > 0)
+        if weighted < 2:
+            raise ConfigError(f"rewards.saturation_ratio weighs several reward components "
+                              f"against each other, and {weighted} component(s) have a "
+                              f"non-zero weight: add components or set saturation_ratio: 0")
+        from flowgrpo.advantages import REWARD_AGGREGATIONS
+
+        if r.aggregation not in REWARD_AGGREGATIONS:
+            raise ConfigError(f"rewards.saturation_ratio composes with rewards.aggregation "
+                              f"{', '.join(REWARD_AGGREGATIONS)} (got {r.aggregation!r}): use one "
+                              f"of them or set saturation_ratio: 0")
+        if t.kl_reward > 0:
+            raise ConfigError("rewards.saturation_ratio recomputes the total from the weighted "
+                              "components, which would drop training.kl_reward's KL term: set "
+                              "one of them to 0")
 
 
 def help_text(cls: type = TrainConfig, prefix: str = "") -> str:

@@ -82,9 +82,13 @@ def check_engine(config: TrainConfig, accelerator) -> bool:
             raise ConfigError(f"training.ema is not supported under {engine} with sharded "
                               f"parameters (each process holds a shard): set training.ema."
                               f"enabled: false or use DDP / DeepSpeed ZeRO-2")
-        if t.kl_beta > 0 and not config.model.lora.enabled:
+        if (t.kl_beta > 0 or t.kl_reward > 0) and not config.model.lora.enabled:
             raise ConfigError(f"training.kl_beta > 0 with full fine-tuning keeps an unsharded "
                               f"reference copy of the model on every process under {engine}: "
                               f"use LoRA (the reference is the model without its adapter) or "
-                              f"kl_beta: 0")
+                              f"kl_beta: 0 and kl_reward: 0")
+        if t.gardo.refresh:
+            raise ConfigError(f"training.gardo.refresh_every / refresh_kl snapshot the trainable "
+                              f"weights, which {engine} shards over the processes: set both to 0 "
+                              f"or use DDP / DeepSpeed ZeRO-2")
     return sharded

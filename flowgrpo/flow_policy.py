@@ -18,7 +18,8 @@ from torch import Tensor, nn
 
 from flowgrpo.config import TrainConfig
 from flowgrpo.dtypes import parse_dtype
-from flowgrpo.losses import (check_weights, flow_kl, guard_log_ratio, guard_step_weights,
+from flowgrpo.guards import check_guard_keys
+from flowgrpo.losses import (check_weights, flow_kl, gated_kl, guard_log_ratio, guard_step_weights,
                              policy_loss, rectification_weights, surrogate_stats)
 from flowgrpo.passk import family_mean_se, mean_and_se
 from flowgrpo.plans import make_plan, replay_steps_per_chunk, sample_trained_steps
@@ -38,6 +39,25 @@ def _mean(values: list[float]) -> float:
 
 # The key under which the rollout reports the KL of training.kl_reward (reward/<key>/mean).
 KL_REWARD_KEY = "kl_to_reference"
+
+
+def _replay_rows(replay, keep: Tensor):
+    """The replay batch restricted to its rows ``keep`` (local indices, (b',)): every per-row
+    tensor of it and of its step Gaussian indexed, the step and the constants kept."""
+    import dataclasses
+
+    def pick(value):
+        if isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] == count:
+            return value.index_select(0, keep.to(value.device))
+        return value
+
+    count = replay.rows.shape[0]
+    gaussian = dataclasses.replace(replay.gaussian, **{
+        f.name: pick(getattr(replay.gaussian, f.name))
+        for f in dataclasses.fields(replay.gaussian)})
+    fields = {f.name: pick(getattr(replay, f.name)) for f in dataclasses.fields(replay)
+              if f.name != "gaussian"}
+    return dataclasses.replace(replay, gaussian=gaussian, **fields)
 
 
 def rollout_sigmas(config: TrainConfig, model) -> Tensor:
@@ -94,6 +114,7 @@ class FlowPolicy:
         self.accelerator = accelerator
         # Cheap things first: a bad reward name fails before the model loads.
         self.reward = load_rewards(config, accelerator.device)
+        check_guard_keys(config, self.reward)
         m = config.model
         if model is None:
             model = load_model(m.family, m.path, dtype=parse_dtype(m.dtype), device=accelerator.device,
@@ -102,6 +123,9 @@ class FlowPolicy:
         self.module: nn.Module = model.transformer
         self.trainable = self._setup_trainable(model.lora_target_modules)
         self.reference_module = frozen_reference(config, self.module)
+        # LoRA's reference after a refresh (training.gardo): a snapshot of the adapter weights,
+        # swapped in for the reference pass; None = the adapter disabled (the base model).
+        self.reference_snapshot: dict[str, Tensor] | None = None
         self.base_sigmas = rollout_sigmas(config, model)
         resolve_accumulation(config, accelerator.num_processes)
         self.engine_module: nn.Module = self.module
@@ -142,16 +166,64 @@ class FlowPolicy:
     @contextmanager
     def reference_policy(self):
         """The KL reference: the transformer with LoRA disabled, or the frozen copy kept for full
-        fine-tuning."""
+        fine-tuning; after a refresh (``refresh_reference``) the LoRA snapshot swapped in."""
         if self.reference_module is not None:
             with swapped_attribute(self.model, "transformer", self.reference_module):
                 yield
+        elif self.reference_snapshot is not None:
+            # The parameters' storage is swapped, not copied: the same module and code path
+            # with the snapshot's values, and the live values back afterwards.
+            live = {name: param.data for name, param in self.trainable.items()}
+            try:
+                for name, param in self.trainable.items():
+                    param.data = self.reference_snapshot[name]
+                yield
+            finally:
+                for name, param in self.trainable.items():
+                    param.data = live[name]
         else:
             self.module.disable_adapters()
             try:
                 yield
             finally:
                 self.module.enable_adapters()
+
+    @torch.no_grad()
+    def refresh_reference(self) -> None:
+        """Make the KL reference the current policy (GARDO's reference reset): full fine-tuning
+        copies the weights into the frozen copy; LoRA keeps a snapshot of the adapter."""
+        if self.reference_module is not None:
+            live = dict(self.module.named_parameters())
+            for name, param in self.reference_module.named_parameters():
+                param.copy_(live[name])
+        else:
+            self.reference_snapshot = {name: param.detach().clone()
+                                       for name, param in self.trainable.items()}
+
+    def reference_state(self) -> dict[str, Tensor]:
+        """The reference's trainable tensors by parameter name (for a checkpoint): the frozen
+        copy's values of the trainable parameters, or the LoRA snapshot ({} when none)."""
+        if self.reference_module is not None:
+            frozen = dict(self.reference_module.named_parameters())
+            return {name: frozen[name].detach() for name in self.trainable}
+        return dict(self.reference_snapshot or {})
+
+    @torch.no_grad()
+    def load_reference_state(self, tensors: dict[str, Tensor]) -> None:
+        """Restore ``reference_state``'s tensors (a resume)."""
+        missing = sorted(set(self.trainable) - set(tensors))
+        if missing:
+            raise ValueError(f"the saved KL reference lacks {len(missing)} trainable tensors "
+                             f"(e.g. {missing[0]}); it was saved for another model or LoRA "
+                             f"config")
+        if self.reference_module is not None:
+            frozen = dict(self.reference_module.named_parameters())
+            for name in self.trainable:
+                frozen[name].copy_(tensors[name])
+        else:
+            self.reference_snapshot = {
+                name: tensors[name].to(device=param.device, dtype=param.dtype).clone()
+                for name, param in self.trainable.items()}
 
     def settings(self, iteration: int) -> RolloutSettings:
         s = self.config.sampling
@@ -330,13 +402,36 @@ class FlowPolicy:
                   "advantages": adv, "weights": weights,
                   "ratio_max_dev": torch.expm1(raw_log_ratio).abs().max(),
                   "policy_loss": loss.detach()}
-        if t.kl_beta > 0:
+        gate = batch.kl_weights
+        if t.kl_beta > 0 and gate is None:
             with torch.no_grad(), self.reference_policy():
                 _, mean_ref = replay_logp(self.model, replay, cond, settings)
             kl = flow_kl(mean, mean_ref, self.kl_std(replay)).mean()
             loss = loss + t.kl_beta * kl
             record["kl"] = kl.detach()
+        elif t.kl_beta > 0:
+            loss = self._gated_kl_loss(loss, record, replay, cond, settings, mean,
+                                       gate[replay.rows.to(gate.device)])
         return loss, record
+
+    def _gated_kl_loss(self, loss: Tensor, record: dict, replay, cond, settings, mean: Tensor,
+                       gate: Tensor) -> Tensor:
+        """loss + beta * ``gated_kl`` over the replay's gated rows (training.gardo). The
+        reference forward runs on the gated rows only, none when no row is gated; records
+        ``kl`` (mean over the gated rows) and ``kl_rows`` for the update's statistics."""
+        keep = (gate > 0).nonzero().flatten()
+        if keep.numel() == 0:
+            return loss
+        if keep.numel() < gate.numel():
+            replay, cond = _replay_rows(replay, keep), cond.select(keep)
+            mean = mean.index_select(0, keep.to(mean.device))
+            gate = gate.index_select(0, keep)
+        with torch.no_grad(), self.reference_policy():
+            _, mean_ref = replay_logp(self.model, replay, cond, settings)
+        kl = gated_kl(flow_kl(mean, mean_ref, self.kl_std(replay)), gate)
+        record["kl"] = kl.detach()
+        record["kl_rows"] = torch.tensor(float(keep.numel()), device=kl.device)
+        return loss + self.config.training.kl_beta * kl
 
     def update_metrics(self, rows: dict[str, Tensor], clip_high: float) -> dict[str, Tensor]:
         """``surrogate_stats`` over every trained row, and the mean policy loss (and KL)."""
@@ -345,7 +440,10 @@ class FlowPolicy:
         stats = surrogate_stats(rows["log_ratio"], rows["advantages"],
                                 self.config.training.clip_low, clip_high, rows["weights"])
         stats["policy_loss"] = rows["policy_loss"].float().mean()
-        if "kl" in rows:
+        if "kl_rows" in rows:   # gated KL: the mean over every gated row of the update
+            counts = rows["kl_rows"].float()
+            stats["kl"] = (rows["kl"].float() * counts).sum() / counts.sum().clamp(min=1)
+        elif "kl" in rows:
             stats["kl"] = rows["kl"].float().mean()
         return stats
 

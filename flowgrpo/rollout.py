@@ -65,6 +65,7 @@ class RolloutBatch:
     replay: list[ReplayBatch] = field(default_factory=list)
     nfe: int = 0                       # transformer calls per sample, summed over the batch / B
     images: list[Tensor] | None = None  # B source images (3, H, W) of an editing run, else None
+    kl_weights: Tensor | None = None   # (B,) KL gate weights (training.gardo), None = plain KL
 
     @property
     def trained_transitions(self) -> int:

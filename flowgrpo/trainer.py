@@ -26,11 +26,13 @@ import torch
 from torch import Tensor
 
 from flowgrpo import checkpoint as ckpt
-from flowgrpo.advantages import (PER_COMPONENT, decoupled_advantages, group_advantages,
-                                 mask_nonfinite)
+from flowgrpo.advantages import (PER_COMPONENT, decoupled_advantages, diversity_weights,
+                                 group_advantages, kl_gate_weights, mask_nonfinite,
+                                 saturation_weights)
 from flowgrpo.config import (InputError, TrainConfig, dump_config, json_roundtrip, redact,
                              resume_signature, to_dict, validate)
 from flowgrpo.ema import EMA
+from flowgrpo.guards import gate_uncertainty, load_feature_extractor, media_features
 from flowgrpo.engines import check_engine, engine_name, preflight_engine, replica_checksums
 from flowgrpo.policy import gather_rows, load_policy_class
 from flowgrpo.prompts import (PromptCurriculum, bucket_labels, comparison_prompts, load_prompts,
@@ -131,9 +133,14 @@ class Trainer:
         self.train_buckets = (bucket_labels(self.train_records, config.prompts.balance_key)
                               if config.prompts.balance_key else None)
         self._drawn: tuple[int, list[int]] | None = None
+        # training.gardo.diversity's feature: a user's class that cannot be built fails here too
+        self.feature_extractor = load_feature_extractor(config) if t.gardo.diversity else None
         if overwrite is not None:
             self.open_run(resume, overwrite)
 
+        # The iteration the KL reference was last made the policy (training.gardo); None = the
+        # initial model.
+        self.reference_refreshed_at: int | None = None
         try:
             self.policy = load_policy_class(config.policy)(config, self.accelerator,
                                                            self.train_records, model=model)
@@ -288,17 +295,36 @@ class Trainer:
         group_ids = acc.gather(batch.group_ids.to(device)).cpu()
         clip = t.adv_clip or None
         aggregation = self.config.rewards.aggregation
+        saturation = self.config.rewards.saturation_ratio
+        scales, saturation_stats = None, {}
         if aggregation in PER_COMPONENT:
             components = {k: v for k, v in gathered.items() if k in self.reward.weights}
+            if saturation:
+                scales, saturation_stats = saturation_weights(components, group_ids,
+                                                              ratio=saturation, ddof=t.adv_ddof)
             advantages, stats = decoupled_advantages(
                 components, self.reward.weights, group_ids, ddof=t.adv_ddof, eps=t.adv_eps,
-                clip=clip, batch_normalize=aggregation == "decoupled")
+                clip=clip, batch_normalize=aggregation == "decoupled", component_scales=scales)
+        elif saturation:
+            # The total again, from the weighted components with per-group saturation weights.
+            weights = {k: w for k, w in self.reward.weights.items() if w != 0}
+            components = {k: gathered[k] for k in weights}
+            scales, saturation_stats = saturation_weights(components, group_ids,
+                                                          ratio=saturation, ddof=t.adv_ddof)
+            advantages, stats = decoupled_advantages(
+                components, weights, group_ids, mode="sum_then_normalize", scale=t.adv_scale,
+                ddof=t.adv_ddof, eps=t.adv_eps, clip=clip, component_scales=scales)
         else:
             advantages, stats = group_advantages(gathered["total"], group_ids, scale=t.adv_scale,
                                                  ddof=t.adv_ddof, eps=t.adv_eps, clip=clip)
         local = len(batch.prompts)
         start = acc.process_index * local
         metrics = {f"adv/{k}": float(v) for k, v in stats.items()}
+        metrics.update({f"adv/{k}": float(v) for k, v in saturation_stats.items()})
+        g = t.gardo
+        if g.diversity or g.kl_gate:
+            advantages, guard_metrics = self.apply_guards(batch, gathered, group_ids, advantages)
+            metrics.update(guard_metrics)
         for name, values in gathered.items():
             valid = values[~values.isnan()]
             metrics[f"reward/{name}/mean"] = float(valid.mean()) if len(valid) else float("nan")
@@ -307,6 +333,55 @@ class Trainer:
         # The same on every process (gathered), for the curriculum's bookkeeping.
         self.gathered = (gathered, group_ids)
         return advantages[start:start + local], metrics
+
+    def apply_guards(self, batch, gathered: dict[str, Tensor], group_ids: Tensor,
+                     advantages: Tensor) -> tuple[Tensor, dict[str, float]]:
+        """training.gardo on the gathered batch (so every process agrees): diversity-aware
+        amplification of the advantages (``advantages.diversity_weights`` on the media's
+        features, then the clip again) and the KL gate (``advantages.kl_gate_weights``, this
+        process's rows handed to the loss as ``batch.kl_weights``). Returns the advantages and
+        the guards' metrics."""
+        t = self.config.training
+        g = t.gardo
+        acc = self.accelerator
+        metrics: dict[str, float] = {}
+        if g.diversity:
+            local_features = media_features(self.feature_extractor, batch.media)
+            features = acc.gather(local_features.to(acc.device)).cpu()
+            weights, stats = diversity_weights(features, group_ids, advantages)
+            advantages = advantages * weights
+            if t.adv_clip:
+                advantages = advantages.clamp(-t.adv_clip, t.adv_clip)
+            metrics.update({f"adv/{k}": v for k, v in stats.items()})
+        if g.kl_gate:
+            gate = kl_gate_weights(gate_uncertainty(self.config, gathered), g.kl_gate_fraction)
+            local = len(batch.prompts)
+            start = acc.process_index * local
+            batch.kl_weights = gate[start:start + local]
+            metrics["train/kl_gate_share"] = float(gate.mean())
+        return advantages, metrics
+
+    def refresh_reference(self, done: int, metrics: dict[str, float]) -> dict[str, float]:
+        """After iteration ``done`` (1-based): make the KL reference the policy when
+        ``refresh_every`` iterations have passed since the last refresh, or when the update's
+        mean KL over every process exceeded ``refresh_kl`` (GARDO's reference reset). Returns
+        ``train/reference_refreshed`` (1 or 0) and ``train/reference_age`` (iterations since)."""
+        g = self.config.training.gardo
+        acc = self.accelerator
+        kl = metrics.get("train/kl", 0.0)
+        if acc.num_processes > 1:
+            weight = metrics.get("train/replay_batches", 0.0) if "train/kl" in metrics else 0.0
+            local = torch.tensor([[kl * weight, weight]], dtype=torch.float64, device=acc.device)
+            total = acc.gather(local).sum(dim=0).cpu()
+            kl = float(total[0] / total[1]) if total[1] > 0 else 0.0
+        since = done - (self.reference_refreshed_at or 0)
+        due = (g.refresh_every > 0 and since >= g.refresh_every) or \
+            (g.refresh_kl > 0 and kl > g.refresh_kl)
+        if due:
+            self.policy.refresh_reference()
+            self.reference_refreshed_at = done
+        return {"train/reference_refreshed": float(due),
+                "train/reference_age": float(done - (self.reference_refreshed_at or 0))}
 
     def observe_curriculum(self, iteration: int) -> dict[str, float]:
         """Record which of the iteration's groups had reward variance (from the gathered rewards,
@@ -454,6 +529,8 @@ class Trainer:
             metrics.update(self.observe_curriculum(iteration))
         began = time.perf_counter()
         metrics.update(self.update(batch, advantages, iteration))
+        if self.config.training.gardo.refresh:
+            metrics.update(self.refresh_reference(iteration + 1, metrics))
         metrics.update(timing)
         metrics["time/update"] = time.perf_counter() - began
         metrics["nfe"] = batch.nfe
@@ -552,6 +629,11 @@ class Trainer:
                 extra["curriculum"] = self.curriculum.state_dict()
             if self.accelerator.scaler is not None:
                 extra["grad_scaler"] = self.accelerator.scaler.state_dict()
+            tensor_files = {}
+            if self.config.training.gardo.refresh:
+                extra["reference_refreshed_at"] = self.reference_refreshed_at
+                if self.reference_refreshed_at is not None:
+                    tensor_files[ckpt.REFERENCE] = self.policy.reference_state()
             ckpt.save_checkpoint(
                 directory, iteration=iteration,
                 trainable={} if self.sharded else self.trainable,
@@ -561,7 +643,8 @@ class Trainer:
                 extra=extra,
                 # inside the folder before its completion marker, so the marker covers it
                 engine_dir=(self.run_dir / "checkpoints" / f"{ckpt.ENGINE_PREFIX}{iteration}"
-                            if self.sharded else None))
+                            if self.sharded else None),
+                tensor_files=tensor_files)
             ckpt.prune_checkpoints(self.run_dir, self.config.run.keep_checkpoints)
 
         self.main_only(f"checkpoint {iteration}", write)
@@ -629,6 +712,8 @@ class Trainer:
             self.accelerator.scaler.load_state_dict(state["state"]["grad_scaler"])
         torch.set_rng_state(state["rng"])
         self.start_iteration = int(state["state"]["iteration"])
+        if self.config.training.gardo.refresh:
+            self.resume_reference(path, state["state"])
         if self.curriculum is not None:
             if "curriculum" in state["state"]:
                 self.curriculum.load_state_dict(state["state"]["curriculum"])
@@ -636,6 +721,26 @@ class Trainer:
                 print(f"checkpoint {path} has no curriculum state (saved without "
                       f"prompts.curriculum): the curriculum starts from its prior", flush=True)
         self.check_replicas(f"resuming from {path}")
+
+    def resume_reference(self, path: Path, state: dict) -> None:
+        """The refreshed KL reference of checkpoint ``path`` (training.gardo.refresh_every /
+        refresh_kl): its weights and the iteration they were taken at."""
+        if "reference_refreshed_at" not in state:
+            if self.accelerator.is_main_process:
+                print(f"checkpoint {path} has no KL reference state (saved without "
+                      f"training.gardo.refresh_every / refresh_kl): the reference is the "
+                      f"initial model until the next refresh", flush=True)
+            return
+        at = state["reference_refreshed_at"]
+        self.reference_refreshed_at = None if at is None else int(at)
+        if at is not None:
+            from safetensors.torch import load_file
+
+            if not (path / ckpt.REFERENCE).is_file():
+                raise InputError(f"checkpoint {path} says the KL reference was refreshed at "
+                                 f"iteration {at} but has no {ckpt.REFERENCE}; resume from "
+                                 f"another checkpoint")
+            self.policy.load_reference_state(load_file(str(path / ckpt.REFERENCE)))
 
     # ------------------------------------------------------------------ the run
     def log(self, record: dict) -> None:

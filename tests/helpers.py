@@ -74,3 +74,51 @@ class NaNForFirst:
         out = media.flatten(1).mean(1).float()
         out[0] = float("nan")
         return out
+
+
+class Constant:
+    """The same score for every sample (ensemble members with known statistics)."""
+
+    name = "constant"
+
+    def __init__(self, value: float = 0.0) -> None:
+        self.value = float(value)
+
+    def __call__(self, media: Tensor, prompts: list[str], metadata: list[dict]) -> Tensor:
+        import torch
+
+        return torch.full((media.shape[0],), self.value)
+
+
+class BrightnessSpread:
+    """Brightness with a second component, the pixel std of each image: a reward that reports
+    its own spread (like an ensemble's std), for the KL gate. No ``component_names``."""
+
+    name = "brightness_spread"
+    main_component = "mean"
+
+    def components(self, media: Tensor, prompts: list[str], metadata: list[dict]) -> dict:
+        flat = media.flatten(1).float()
+        return {"mean": flat.mean(1), "spread": flat.std(1)}
+
+    def __call__(self, media: Tensor, prompts: list[str], metadata: list[dict]) -> Tensor:
+        return self.components(media, prompts, metadata)["mean"]
+
+
+class Darkness:
+    """1 - mean pixel value: a second reward pulling against Brightness."""
+
+    name = "darkness"
+
+    def __call__(self, media: Tensor, prompts: list[str], metadata: list[dict]) -> Tensor:
+        return 1.0 - media.flatten(1).mean(1).float()
+
+
+class MeanColour:
+    """A diversity feature: the mean colour of each image, (B, 3)."""
+
+    def __init__(self, scale: float = 1.0) -> None:
+        self.scale = scale
+
+    def __call__(self, media: Tensor) -> Tensor:
+        return self.scale * media.flatten(2).mean(2)

@@ -1,0 +1,97 @@
+"""What the guards against reward hacking need besides their maths (``advantages.py``,
+``losses.py``): the feature of the media that diversity is measured in, the check of the reward
+keys a guard names once the rewards have loaded, and the per-sample uncertainty the KL gate
+ranks. docs/design.md, "Guards against reward hacking"."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from flowgrpo.advantages import win_rate_gap
+from flowgrpo.config import ConfigError, TrainConfig, check_reward_key
+
+
+def pixel_features(media: Tensor, size: int = 16) -> Tensor:
+    """(B, 3, H, W) images or (B, F, 3, H, W) videos in [0, 1] -> (B, D) float32 CPU features:
+    each frame average-pooled to ``size`` x ``size`` (D = 3 size^2, times F for videos). Cheap,
+    needs no weights, and two renders that differ only in pixel noise stay close."""
+    if media.dim() not in (4, 5):
+        raise ValueError(f"media must be (B, 3, H, W) or (B, F, 3, H, W) (got {tuple(media.shape)})")
+    frames = media.flatten(0, 1) if media.dim() == 5 else media
+    pooled = torch.nn.functional.adaptive_avg_pool2d(frames.float(), (size, size))
+    return pooled.reshape(media.shape[0], -1).cpu()
+
+
+def load_feature_extractor(config: TrainConfig) -> Callable[[Tensor], Tensor]:
+    """The diversity feature of ``training.gardo.diversity_features``: ``pixel_features``, or an
+    instance of the user's ``package.module:Class`` built with ``diversity_feature_options``."""
+    g = config.training.gardo
+    if g.diversity_features == "pixels":
+        size = g.diversity_feature_size
+        return lambda media: pixel_features(media, size)
+    from reward_models.loading import import_class
+
+    try:
+        cls = import_class(g.diversity_features)
+        extractor = cls(**g.diversity_feature_options)
+    except (ImportError, ValueError, TypeError) as err:
+        raise ConfigError(f"training.gardo.diversity_features: cannot build "
+                          f"{g.diversity_features!r} with diversity_feature_options "
+                          f"{g.diversity_feature_options}: {err}") from err
+    if not callable(extractor):
+        raise ConfigError(f"training.gardo.diversity_features: {g.diversity_features!r} builds "
+                          f"an object that is not callable; give a class whose instances map "
+                          f"(B, ...) media to (B, D) features")
+    return extractor
+
+
+def media_features(extractor: Callable[[Tensor], Tensor], media: Tensor) -> Tensor:
+    """``extractor(media)`` checked to be (B, D) and returned as float32 CPU."""
+    with torch.no_grad():
+        features = torch.as_tensor(extractor(media)).detach().float().cpu()
+    if features.dim() != 2 or features.shape[0] != media.shape[0]:
+        raise ValueError(f"training.gardo.diversity_features returned shape "
+                         f"{tuple(features.shape)} for {media.shape[0]} samples; it must return "
+                         f"(B, D)")
+    return features
+
+
+def check_guard_keys(config: TrainConfig, reward) -> None:
+    """After the rewards load (before the model): the keys the KL gate names must be among the
+    outputs of ``reward`` (a ``MultiReward``). A component is checked where the reward declares
+    its ``component_names`` (the ensemble does); otherwise it is checked at the first
+    iteration (``gate_uncertainty``)."""
+    g = config.training.gardo
+    names = [("training.gardo.kl_gate_key", g.kl_gate_key)] if g.kl_gate_key else []
+    names += [(f"training.gardo.kl_gate_auxiliary[{i}]", key)
+              for i, key in enumerate(g.kl_gate_auxiliary)]
+    if not names:
+        return
+    known: dict[str, tuple[str, ...] | None] = {"total": ()}
+    for key, managed in reward.rewards.items():
+        inner = getattr(managed, "inner", managed)
+        declared = getattr(inner, "component_names", None)
+        if declared is not None:
+            known[key] = tuple(declared)
+        else:
+            known[key] = None if callable(getattr(managed, "components", None)) else ()
+    for field_name, key in names:
+        check_reward_key(key, field_name, known)
+
+
+def gate_uncertainty(config: TrainConfig, gathered: dict[str, Tensor]) -> Tensor:
+    """(B,) uncertainty the KL gate ranks, from the gathered rewards: the ``kl_gate_key``
+    output, or GARDO's win-rate gap of the total against the ``kl_gate_auxiliary`` outputs."""
+    g = config.training.gardo
+    wanted = [g.kl_gate_key] if g.kl_gate_key else list(g.kl_gate_auxiliary)
+    for index, key in enumerate(wanted):
+        if key not in gathered:
+            field_name = ("training.gardo.kl_gate_key" if g.kl_gate_key
+                          else f"training.gardo.kl_gate_auxiliary[{index}]")
+            raise ConfigError(f"{field_name}: the rewards output no {key!r}; they output "
+                              f"{', '.join(sorted(gathered))}: use one of them")
+    if g.kl_gate_key:
+        return gathered[g.kl_gate_key]
+    return win_rate_gap(gathered["total"], [gathered[key] for key in wanted])
