@@ -53,6 +53,7 @@ REGISTRY: dict[str, str] = {
     "toy_edit": "reward_models.toy_edit:ToyEditReward",
     "toy_artifacts": "reward_models.toy_quality:ToyArtifactsReward",
     "ensemble": "reward_models.ensemble:EnsembleReward",
+    "toy_proxy": "reward_models.toy_proxy:ToyProxyReward",
 }
 
 
