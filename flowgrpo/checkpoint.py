@@ -7,6 +7,8 @@ Layout of ``<run>/``::
     metrics.jsonl                     one JSON record a line, flushed and fsynced per record
     config.yaml                       the config (secrets redacted)
     checkpoints/<iteration>/          one complete checkpoint (below)
+    checkpoints/best/, best.json      the best evaluation's checkpoint (run.select_best_on; the
+                                      same layout, never pruned) and its iteration and value
     checkpoints/.tmp-*, .old-*        a save or removal in progress; swept at the next start
 
 Layout of ``checkpoints/<iteration>/``::
@@ -56,6 +58,8 @@ OLD_PREFIX = ".old-"          # the previous folder of an iteration being re-sav
 ENGINE_PREFIX = ".engine-"    # a sharded engine's state before it moves into its checkpoint
 SUPERSEDED = "superseded"     # checkpoints after a resumed one, set aside (never deleted)
 REFERENCE = "reference.safetensors"   # the refreshed KL reference (training.gardo)
+BEST = "best"                 # checkpoints/best/: the best evaluation's (run.select_best_on)
+BEST_RECORD = "best.json"     # checkpoints/best.json: its iteration, metric and value
 # Test hook: seconds to sleep after each file of a save, so that a test can kill the process
 # in the middle of one (tests/test_reliability.py). Unset in normal use.
 FAULT_SLEEP_ENV = "FLOWGRPO_FAULT_SAVE_SLEEP"
@@ -451,13 +455,35 @@ def _set_aside_newer(run_dir: Path, iteration: int) -> list[str]:
     newer = [p for p in list_checkpoints(run_dir) if int(p.name) > iteration]
     if not newer:
         return []
-    aside = run_dir / "checkpoints" / f"{SUPERSEDED}-{time.strftime('%Y%m%d-%H%M%S')}"
-    aside.mkdir(exist_ok=True)
+    aside = _superseded_folder(run_dir)
     for path in newer:
         os.replace(path, aside / path.name)
     _fsync(run_dir / "checkpoints", directory=True)
     return [f"checkpoints {', '.join(p.name for p in newer)} came after the resumed iteration "
             f"{iteration}: moved to {aside} (delete it when you no longer need them)"]
+
+
+def _superseded_folder(run_dir: str | Path) -> Path:
+    """A new, empty ``checkpoints/superseded-<time>[-n]/`` (two set-asides within one second
+    get folders of their own, so neither overwrites the other's)."""
+    root = Path(run_dir) / "checkpoints"
+    stem = f"{SUPERSEDED}-{time.strftime('%Y%m%d-%H%M%S')}"
+    aside, count = root / stem, 1
+    while aside.exists():
+        count += 1
+        aside = root / f"{stem}-{count}"
+    aside.mkdir()
+    return aside
+
+
+def set_aside(run_dir: str | Path, name: str) -> Path:
+    """Move ``checkpoints/<name>`` to ``checkpoints/superseded-<time>/<name>`` (nothing is
+    deleted); returns where it went."""
+    root = Path(run_dir) / "checkpoints"
+    aside = _superseded_folder(run_dir)
+    os.replace(root / name, aside / name)
+    _fsync(root, directory=True)
+    return aside / name
 
 
 def open_run(run_dir: str | Path, *, resume: str | None, overwrite: bool,

@@ -343,6 +343,20 @@ class LLMConfig:
 
 
 @dataclass
+class EvalConfig:
+    """Held-out metrics: rewards scored on the samples of every evaluation beside the training
+    rewards, logged as eval/<key> with the same statistics, and never part of the advantages.
+    Every real reward is a proxy; a metric the run does not optimise shows when it is gamed."""
+
+    rewards: list[RewardSpec] = _help(
+        "Rewards in the format of rewards.components (name, options; options.label sets the "
+        "key, which must differ from every training reward's; weight is ignored), scored on "
+        "each evaluation's held-out samples (the same images, scored once). A reward class with "
+        "higher_is_better = False (e.g. toy_artifacts) counts as lower-is-better in summaries "
+        "and run.select_best_on.", default_factory=list)
+
+
+@dataclass
 class RunConfig:
     seed: int = _help("Seed of every random draw (prompts, noise, plans).", default=0)
     output_dir: str = _help("Runs go to <output_dir>/<name>/.", default="runs")
@@ -355,6 +369,19 @@ class RunConfig:
     progress: bool = _help("Show a progress bar.", default=True)
     comparison_grid: bool = _help("Write a before/after grid of held-out prompts at the end.",
                                   default=True)
+    select_best_on: str | None = _help(
+        "Keep the weights of the evaluation where this metric was best in checkpoints/best/ "
+        "(never pruned; checkpoints/best.json says which iteration and value), e.g. "
+        "eval/geneval_toy.exact/family_mean: a key of the evaluation records, eval/<reward key>"
+        "[/<family> | /family_mean], of a reward in rewards.components or eval.rewards. "
+        "None = no selection.", default=None)
+    select_best_mode: str = _help(
+        "Whether larger or smaller values of run.select_best_on are better: max | min | auto "
+        "(the reward's higher_is_better, True unless its class says otherwise).", default="auto")
+    early_stop_patience: int = _help(
+        "Stop the run after this many evaluations in a row without a new best of "
+        "run.select_best_on (0 = never stop early). The final checkpoint is saved where it stops.",
+        default=0)
 
 
 @dataclass
@@ -370,6 +397,8 @@ class TrainConfig:
     run: RunConfig = _help("Run bookkeeping.", default_factory=RunConfig)
     llm: LLMConfig = _help("LLM policy options (policy: llm); see flowgrpo/llm.py.",
                            default_factory=LLMConfig)
+    eval: EvalConfig = _help("Held-out metrics scored at every evaluation, never trained on.",
+                             default_factory=EvalConfig)
 
 
 # --------------------------------------------------------------------------- loading
@@ -666,6 +695,120 @@ def _check_reward_names(config: TrainConfig) -> None:
                                   f"your own class as 'package.module:Class'")
 
 
+SELECT_BEST_MODES = ("max", "min", "auto")
+# What the LM policy's evaluation reports besides its rewards, as eval/<key> (flowgrpo/llm.py).
+LLM_EVAL_KEYS = ("accuracy", "completion_length", "truncated_fraction")
+
+
+def reward_key(spec: RewardSpec) -> str:
+    """The key a spec's scores are logged under, as far as the config tells: ``options.label``,
+    else the name (for ``module:Class``, the class's name; such a class may name itself
+    otherwise, so the loaded rewards' keys are compared again when they load)."""
+    label = spec.options.get("label")
+    if label is not None:
+        return label if isinstance(label, str) else repr(label)
+    return spec.name.rpartition(":")[2].rpartition(".")[2] if ":" in spec.name else spec.name
+
+
+def training_reward_keys(config: TrainConfig) -> set[str]:
+    """Keys the evaluation logs for the training rewards (eval/<key>): every component's key,
+    ``total``, and for the LM policy its other metrics and DAPO's ``overlong`` shaping."""
+    keys = {reward_key(spec) for spec in config.rewards.components} | {"total"}
+    if config.policy == "llm":
+        keys |= set(LLM_EVAL_KEYS)
+        if config.llm.overlong_buffer > 0:
+            keys.add("overlong")
+    return keys
+
+
+def _known_reward_names(policy: str) -> list[str]:
+    """Reward names a plain (not ``module:Class``) spec may use: image/video rewards for the
+    flow policy, text rewards (``reward_models.text``) for the LM policy; entry points for both."""
+    from reward_models.loading import _entry_points, available_rewards
+
+    if policy == "flow":
+        return available_rewards()
+    import reward_models.text  # noqa: F401  (registers the text rewards)
+    from reward_models.base import REGISTRY
+
+    return sorted({n for n, path in REGISTRY.items() if path.startswith("reward_models.text:")}
+                  | set(_entry_points()))
+
+
+def _check_eval_rewards(config: TrainConfig) -> None:
+    """eval.rewards: known names, keys that are distinct and differ from the training rewards'
+    (both would be logged as eval/<key>), and an evaluation to score."""
+    specs = config.eval.rewards
+    if not specs:
+        return
+    if config.prompts.eval is None:
+        raise ConfigError("eval.rewards scores the evaluation's samples, but prompts.eval is "
+                          "null (no evaluation): set prompts.eval to held-out prompts, or remove "
+                          "eval.rewards")
+    known = None
+    training = training_reward_keys(config)
+    trained = {reward_key(spec) for spec in config.rewards.components}
+    seen: dict[str, int] = {}
+    for i, spec in enumerate(specs):
+        if not spec.name:
+            raise ConfigError(f"eval.rewards[{i}].name is empty: give a registered reward name "
+                              f"or 'package.module:Class'")
+        if ":" not in spec.name:
+            known = known if known is not None else _known_reward_names(config.policy)
+            if spec.name not in known:
+                kind = "text reward" if config.policy == "llm" else "reward"
+                raise ConfigError(f"eval.rewards[{i}].name: unknown {kind} {spec.name!r}; "
+                                  f"available: {', '.join(known)}; or give your own class as "
+                                  f"'package.module:Class'")
+        key = reward_key(spec)
+        if not key or "." in key or "/" in key:
+            raise ConfigError(f"eval.rewards[{i}].options.label {key!r} must be a non-empty "
+                              f"name without '.' or '/' (it becomes the metric eval/<label>)")
+        if key in training:
+            taken_by = ("a reward of rewards.components" if key in trained else
+                        "a metric the evaluation reports itself")
+            raise ConfigError(f"eval.rewards[{i}] ({spec.name}) would be logged as eval/{key}, "
+                              f"which is already {taken_by}: give it another key with "
+                              f"options: {{label: {key}_heldout}}")
+        if key in seen:
+            raise ConfigError(f"eval.rewards[{i}] and eval.rewards[{seen[key]}] are both logged "
+                              f"as eval/{key}: give one of them another key with options.label")
+        seen[key] = i
+
+
+def _check_select_best(config: TrainConfig) -> None:
+    """run.select_best_on names a metric the evaluation logs, of a training or held-out reward;
+    run.early_stop_patience needs it."""
+    run = config.run
+    _choice(run.select_best_mode, SELECT_BEST_MODES, "run.select_best_mode")
+    _positive(run.early_stop_patience, "run.early_stop_patience", allow_zero=True)
+    key = run.select_best_on
+    if key is None:
+        if run.early_stop_patience:
+            raise ConfigError("run.early_stop_patience counts evaluations without a new best of "
+                              "run.select_best_on, which is null: set run.select_best_on (e.g. "
+                              "eval/<reward key>/family_mean) or early_stop_patience: 0")
+        return
+    if config.prompts.eval is None:
+        raise ConfigError("run.select_best_on needs evaluations, but prompts.eval is null: set "
+                          "prompts.eval to held-out prompts, or run.select_best_on: null")
+    keys = training_reward_keys(config) | {reward_key(s) for s in config.eval.rewards}
+    valid = ", ".join(f"eval/{k}" for k in sorted(keys))
+    rest = key[len("eval/"):] if key.startswith("eval/") else ""
+    head = rest.split("/")[0].split(".")[0]
+    # A 'module:Class' reward without a label may name itself otherwise than its class: its key
+    # is known once it loads (the trainer checks the first evaluation's record then).
+    unsure = any(":" in s.name and "label" not in s.options
+                 for s in [*config.rewards.components, *config.eval.rewards])
+    if not rest or (head not in keys and not unsure):
+        raise ConfigError(f"run.select_best_on {key!r} is not a metric of a reward this run "
+                          f"evaluates: it must start with one of {valid} (then optionally "
+                          f".<component>, /<family> or /family_mean)")
+    if key.endswith("/se"):
+        raise ConfigError(f"run.select_best_on {key!r} is a standard error, not a metric: drop "
+                          f"the /se")
+
+
 def validate(config: TrainConfig, num_processes: int = 1) -> None:
     """Check ranges and combinations. Raises ConfigError naming the field and the fix."""
     _check_finite(config)
@@ -811,6 +954,7 @@ def validate(config: TrainConfig, num_processes: int = 1) -> None:
             raise ConfigError(f"rewards.components[{i}].name is empty: give a registered reward "
                               f"name or 'package.module:Class'")
     _check_reward_names(config)
+    _check_eval_rewards(config)
     if config.policy == "llm":
         llm = config.llm
         _choice(llm.aggregation, choices["llm.aggregation"], "llm.aggregation")
@@ -835,6 +979,7 @@ def validate(config: TrainConfig, num_processes: int = 1) -> None:
         raise ConfigError("run.output_dir is empty: give the folder that holds run folders, "
                           "e.g. runs")
     _choice(run.tracker, ("tensorboard", "wandb", "none"), "run.tracker")
+    _check_select_best(config)
 
 
 def reward_output_keys(config: TrainConfig) -> dict[str, tuple[str, ...] | None] | None:

@@ -18,7 +18,9 @@ from torch import Tensor, nn
 
 from flowgrpo.config import TrainConfig
 from flowgrpo.dtypes import parse_dtype
+from flowgrpo.eval_media import save_eval_media
 from flowgrpo.guards import check_guard_keys
+from flowgrpo.heldout import load_eval_rewards, score_eval_rewards
 from flowgrpo.losses import (check_weights, flow_kl, gated_kl, guard_log_ratio, guard_step_weights,
                              policy_loss, rectification_weights, surrogate_stats)
 from flowgrpo.passk import family_mean_se, mean_and_se
@@ -115,6 +117,10 @@ class FlowPolicy:
         # Cheap things first: a bad reward name fails before the model loads.
         self.reward = load_rewards(config, accelerator.device)
         check_guard_keys(config, self.reward)
+        # Held-out metrics load here too, on every process (each scores its share of the
+        # evaluation rows): a bad option or missing weights fail now, not at the first
+        # evaluation of a resumed run.
+        self.eval_reward = load_eval_rewards(config, accelerator.device, training=self.reward)
         m = config.model
         if model is None:
             model = load_model(m.family, m.path, dtype=parse_dtype(m.dtype), device=accelerator.device,
@@ -471,8 +477,10 @@ class FlowPolicy:
         every component with its standard error, per task family and their mean (GenEval's
         overall score). Every process samples and scores its share of the rows
         (``eval_share``; sample i keeps its noise whatever the process count) and every process
-        returns the metrics of all rows. Saves the first 64 images to
-        ``out_dir/eval_<iteration>.png`` when ``out_dir`` is given."""
+        returns the metrics of all rows. The held-out metrics of ``eval.rewards`` score the same
+        samples and get the same statistics. Saves the first 64 samples to
+        ``out_dir/eval_<iteration>.png`` (videos: a strip of frames and a GIF,
+        ``eval_media.save_eval_media``) when ``out_dir`` is given."""
         p = self.config.prompts
         acc = self.accelerator
         records = eval_selection(records, p.eval_per_family, p.eval_seeds)
@@ -483,8 +491,11 @@ class FlowPolicy:
                              max(self.config.sampling.rollout_batch_size, 16),
                              record_images([records[i] for i in indices]))[:real]
         mine = indices[:real]
-        local = self.reward(media, [records[i]["prompt"] for i in mine],
-                            reward_metadata([records[i] for i in mine])) if real else {}
+        prompts = [records[i]["prompt"] for i in mine]
+        scored = reward_metadata([records[i] for i in mine])
+        local = self.reward(media, prompts, scored) if real else {}
+        # Held-out metrics score the same samples (eval.rewards: logged, never trained on).
+        local.update(score_eval_rewards(self.eval_reward, media, prompts, scored, acc.device))
         rows = gather_rows([{k: float(v[j]) for k, v in local.items()} for j in range(real)], acc)
         keep = [j for j, i in enumerate(mine) if i < 64]
         shown = gather_rows([media[j] for j in keep], acc)   # a collective: every process
@@ -508,12 +519,7 @@ class FlowPolicy:
                 metrics[f"eval/{name}/family_mean"] = _mean(per_family)
                 metrics[f"eval/{name}/family_mean/se"] = family_mean_se(per_family_se)
         if out_dir is not None and shown:
-            from torchvision.utils import save_image
-
-            stacked = torch.stack(shown)
-            images = stacked if stacked.dim() == 4 else stacked[:16, 0]
-            out_dir.mkdir(parents=True, exist_ok=True)
-            save_image(images, out_dir / f"eval_{iteration:05d}.png", nrow=8)
+            save_eval_media(torch.stack(shown), out_dir, iteration)
         return metrics
 
     def save_grid_samples(self, records: list[dict], run_dir: Path, tag: str) -> None:

@@ -391,10 +391,12 @@ def verdict_keys(columns: list[dict[str, Tensor]], weights: dict[str, float]) ->
 
 
 def cell_caption(scores: dict[str, Tensor], weights: dict[str, float], row: int,
-                 max_lines: int = 4, verdict: set[str] | frozenset[str] = frozenset()) -> str:
+                 max_lines: int = 4, verdict: set[str] | frozenset[str] = frozenset(),
+                 extra: Sequence[str] = ()) -> str:
     """'0.512 total' (when several rewards are weighted) then '0.700 name' per reward: the value
     first, so a narrow cell cuts the name, not the number. A key in ``verdict`` (a 0/1 verifier,
-    see ``verdict_keys``) reads 'PASS 1.000 name' or 'FAIL 0.000 name' (PASS when >= 0.5)."""
+    see ``verdict_keys``) reads 'PASS 1.000 name' or 'FAIL 0.000 name' (PASS when >= 0.5).
+    ``extra``: more keys of ``scores`` after those (held-out metrics, not in the total)."""
     keys = list(weights)
 
     def line(key: str) -> str:
@@ -406,5 +408,5 @@ def cell_caption(scores: dict[str, Tensor], weights: dict[str, float], row: int,
     lines = []
     if len(keys) > 1:
         lines.append(line("total"))
-    lines += [line(key) for key in keys]
+    lines += [line(key) for key in [*keys, *extra]]
     return "\n".join(lines[:max_lines])

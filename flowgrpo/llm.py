@@ -38,6 +38,8 @@ from flowgrpo.lm_sampling import (eos_token_ids, generate_completions, pad_repla
                                   token_logp)
 from flowgrpo.losses import token_policy_loss
 from flowgrpo.dtypes import parse_dtype
+from flowgrpo.heldout import score_eval_rewards
+from flowgrpo.passk import mean_and_se
 from flowgrpo.policy import eval_share, float32_trainable, frozen_reference, gather_rows
 from flowgrpo.prompts import sample_groups
 from flowgrpo.seeding import seeded_generator
@@ -153,6 +155,16 @@ def text_rewards(config: TrainConfig):
     return MultiReward(specs, config.rewards.aggregation, load=load_text_reward)
 
 
+def eval_text_rewards(config: TrainConfig, training):
+    """``eval.rewards`` as text rewards (held-out metrics of the evaluation's completions, never
+    trained on); None when there are none. ``training``: the training MultiReward, whose keys
+    the held-out ones must not reuse."""
+    from flowgrpo.heldout import load_eval_rewards
+    from reward_models.text import load_text_reward
+
+    return load_eval_rewards(config, "cpu", load=load_text_reward, training=training)
+
+
 def with_token_counts(metadata: list[dict], completion_ids: list[list[int]]) -> list[dict]:
     """Copies of ``metadata`` with ``completion_tokens`` (what the overlong reward reads)."""
     return [{**m, "completion_tokens": len(ids)} for m, ids in zip(metadata, completion_ids)]
@@ -216,6 +228,7 @@ class LMPolicy:
         self.train_records = train_records   # DAPO's dynamic sampling draws fresh prompts
         self.tokens_per_replay = 1.0
         self.reward = text_rewards(config)
+        self.eval_reward = eval_text_rewards(config, self.reward)
         self.model = model if model is not None else self._load(config, accelerator.device)
         tokenizer = self.model.tokenizer
         tokenizer.padding_side = "left"
@@ -447,8 +460,9 @@ class LMPolicy:
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, records: list[dict], iteration: int, out_dir: Path | None
                  ) -> dict[str, float]:
-        """Held-out prompts, greedy (or ``llm.eval_temperature``): the mean of every reward
-        component, ``eval/accuracy`` (exact match against ``metadata["answer"]``, when the prompts
+        """Held-out prompts, greedy (or ``llm.eval_temperature``): the mean (and standard error)
+        of every reward component and of every held-out metric (``eval.rewards``),
+        ``eval/accuracy`` (exact match against ``metadata["answer"]``, when the prompts
         have answers), the mean completion length and truncated fraction. Writes the completions
         to ``out_dir/eval_<iteration>.jsonl`` when given."""
         from reward_models.text import ExactMatchReward
@@ -475,8 +489,11 @@ class LMPolicy:
                        for c in completion_ids[:real]]
         metadata = [records[i]["metadata"] for i in mine]
         lengths = torch.tensor([len(c) for c in completion_ids[:real]])
-        scores = self.reward(completions, [records[i]["prompt"] for i in mine],
-                             with_token_counts(metadata, completion_ids[:real])) if real else {}
+        scored = with_token_counts(metadata, completion_ids[:real])
+        prompts_mine = [records[i]["prompt"] for i in mine]
+        scores = self.reward(completions, prompts_mine, scored) if real else {}
+        # Held-out metrics of eval.rewards: the same completions, logged, never trained on.
+        scores.update(score_eval_rewards(self.eval_reward, completions, prompts_mine, scored))
         has_answers = any(r["metadata"].get("answer") is not None for r in records)
         correct = (ExactMatchReward()(completions, [records[i]["prompt"] for i in mine],
                                       metadata) if has_answers and real else None)
@@ -490,6 +507,7 @@ class LMPolicy:
             values = torch.tensor([row["scores"][name] for row in rows])
             valid = values[~values.isnan()]
             metrics[f"eval/{name}"] = float(valid.mean()) if len(valid) else float("nan")
+            metrics[f"eval/{name}/se"] = mean_and_se(valid)[1]
         if has_answers:
             correct_all = torch.tensor([row["correct"] for row in rows])
             metrics["eval/accuracy"] = float(correct_all[~correct_all.isnan()].mean())

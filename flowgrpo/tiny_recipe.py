@@ -13,10 +13,11 @@ changes is size and place:
   ``TINY_ROLLOUT_BATCH`` at a time; evaluation uses ``TINY_EVAL_PROMPTS`` held-out prompts at the
   training step count; the run is ``TINY_ITERATIONS`` iterations, checkpointed at the end, named
   ``<name>_tiny`` so that it never touches the real run's folder;
-- rewards whose weights come from the hub (PickScore, CLIP score, aesthetic) load a tiny random
-  CLIP (and aesthetic head) saved in the same layout (``reward_models.tiny``): the same reward
-  class and code path, meaningless scores. Other rewards (OCR's packaged ONNX models, JPEG, the
-  toy verifier) run as they are.
+- rewards whose weights come from the hub (PickScore, CLIP score, aesthetic, temporal
+  consistency), in ``rewards.components`` and in the held-out ``eval.rewards`` alike, load a tiny
+  random CLIP (and aesthetic head) saved in the same layout (``reward_models.tiny``): the same
+  reward class and code path, meaningless scores. Other rewards (OCR's packaged ONNX models,
+  JPEG, the toy verifier, toy_artifacts) run as they are.
 
 The CLI also sets ``ACCELERATE_USE_CPU`` so a GPU machine trains the tiny run on its CPU too.
 Overrides on the command line apply after the tiny settings, so any of them can be changed back.
@@ -137,7 +138,7 @@ def _aesthetic_reward(options: dict, root) -> dict:
 
 # reward name -> options with its hub weights replaced by tiny random builds of the same layout
 TINY_REWARDS = {"pickscore": _pickscore_reward, "clip_score": _clip_reward,
-                "aesthetic": _aesthetic_reward}
+                "aesthetic": _aesthetic_reward, "temporal_consistency": _clip_reward}
 
 
 def _tiny_rewards(components: list, root) -> list:
@@ -189,6 +190,8 @@ def tiny_patch(raw: dict, root: str | os.PathLike | None = None) -> dict:
         "training": {"prompts_per_iteration": TINY_PROMPTS, "group_size": TINY_GROUP_SIZE,
                      "mixed_precision": "no", "use_8bit_adam": False},
         "rewards": {"components": _tiny_rewards(_get(raw, "rewards.components", []), root)},
+        # held-out metrics: the same substitution, so no hub weights are fetched either
+        "eval": {"rewards": _tiny_rewards(_get(raw, "eval.rewards", []), root)},
         "run": {"max_iterations": TINY_ITERATIONS, "eval_every": 0, "checkpoint_every": 0,
                 "keep_checkpoints": 1, "tracker": "none"},
     }

@@ -34,10 +34,11 @@ from flowgrpo.config import (InputError, TrainConfig, dump_config, json_roundtri
 from flowgrpo.ema import EMA
 from flowgrpo.guards import gate_uncertainty, load_feature_extractor, media_features
 from flowgrpo.engines import check_engine, engine_name, preflight_engine, replica_checksums
+from flowgrpo.heldout import BestRecord, reward_directions, resolve_mode
 from flowgrpo.policy import gather_rows, load_policy_class
 from flowgrpo.prompts import (PromptCurriculum, bucket_labels, comparison_prompts, load_prompts,
                               mixed_groups, sample_indices)
-from flowgrpo.run_log import append_record, keep_records, summary_line
+from flowgrpo.run_log import append_record, eval_line, keep_records, read_records, summary_line
 from flowgrpo.seeding import seeded_generator
 
 
@@ -161,6 +162,15 @@ class Trainer:
         except BaseException:
             self._lock.release()   # a failed start must not keep the run folder locked
             raise
+        # Which way each reward improves (a class may say higher_is_better = False), and the
+        # record of the best evaluation of run.select_best_on.
+        eval_reward = getattr(self.policy, "eval_reward", None)
+        self.directions = reward_directions(self.policy.reward, eval_reward)
+        self.heldout_keys = set(eval_reward.rewards) if eval_reward is not None else set()
+        key = config.run.select_best_on
+        self.best = BestRecord(key, resolve_mode(config.run.select_best_mode, key,
+                                                 self.directions)) if key else None
+        self.stopped_early: int | None = None
         self.start_iteration = 0
         self.skipped_in_a_row = 0
         self._seeds: dict[tuple, Tensor] = {}
@@ -588,17 +598,20 @@ class Trainer:
 
     def write_comparison_grid(self) -> Path | None:
         """The policy's base-vs-final comparison (``comparison.png`` / ``comparison.md``)."""
+        final = self.stopped_early or self.config.run.max_iterations
         with torch.no_grad(), self.ema_weights():
             return self.policy.write_comparison_grid(
-                self.grid_records(), self.run_dir, f"iteration {self.config.run.max_iterations}")
+                self.grid_records(), self.run_dir, f"iteration {final}")
 
     # ------------------------------------------------------------------ checkpoints
-    def save(self, iteration: int) -> Path:
+    def save(self, iteration: int, folder: str | None = None) -> Path:
         """checkpoints/<iteration>/: exact-resume state (safetensors) and the user-facing weights
         (LoRA in the ecosystem's format, or the full model), EMA weights when EMA is on. Under a
         sharded engine the engine's own sharded state goes to ``engine/`` and the user-facing
-        weights are consolidated on the main process."""
-        directory = self.run_dir / "checkpoints" / str(iteration)
+        weights are consolidated on the main process. ``folder``: another name than the
+        iteration (``best``: the best evaluation's, never pruned, with ``best.json`` beside it)."""
+        name = folder or str(iteration)
+        directory = self.run_dir / "checkpoints" / name
         tensors = dict(self.trainable)
         if self.ema is not None:
             tensors.update({f"ema:{n}": v for n, v in self.ema.state_dict().items()})
@@ -611,7 +624,7 @@ class Trainer:
         if self.sharded:
             # Collective: every process writes its shard and takes part in the consolidation.
             self.accelerator.save_state(str(self.run_dir / "checkpoints" /
-                                            f"{ckpt.ENGINE_PREFIX}{iteration}"))
+                                            f"{ckpt.ENGINE_PREFIX}{name}"))
             consolidated = self.accelerator.get_state_dict(self.engine_module)
 
         def write() -> None:
@@ -627,6 +640,8 @@ class Trainer:
                      "signature": json_roundtrip(resume_signature(self.config))}
             if self.curriculum is not None:
                 extra["curriculum"] = self.curriculum.state_dict()
+            if self.best is not None:
+                extra["best"] = self.best.state_dict()
             if self.accelerator.scaler is not None:
                 extra["grad_scaler"] = self.accelerator.scaler.state_dict()
             tensor_files = {}
@@ -642,12 +657,16 @@ class Trainer:
                 ema_counters=self.ema.counters() if self.ema else None, save_lora=save_weights,
                 extra=extra,
                 # inside the folder before its completion marker, so the marker covers it
-                engine_dir=(self.run_dir / "checkpoints" / f"{ckpt.ENGINE_PREFIX}{iteration}"
+                engine_dir=(self.run_dir / "checkpoints" / f"{ckpt.ENGINE_PREFIX}{name}"
                             if self.sharded else None),
                 tensor_files=tensor_files)
-            ckpt.prune_checkpoints(self.run_dir, self.config.run.keep_checkpoints)
+            if folder == ckpt.BEST:
+                ckpt.write_json_atomic(self.run_dir / "checkpoints" / ckpt.BEST_RECORD,
+                                       self.best.state_dict())
+            elif folder is None:
+                ckpt.prune_checkpoints(self.run_dir, self.config.run.keep_checkpoints)
 
-        self.main_only(f"checkpoint {iteration}", write)
+        self.main_only(f"checkpoint {name}", write)
         return directory
 
     def open_run(self, resume: str | None, overwrite: bool) -> None:
@@ -714,6 +733,8 @@ class Trainer:
         self.start_iteration = int(state["state"]["iteration"])
         if self.config.training.gardo.refresh:
             self.resume_reference(path, state["state"])
+        if self.best is not None:
+            self.restore_best(state["state"].get("best"))
         if self.curriculum is not None:
             if "curriculum" in state["state"]:
                 self.curriculum.load_state_dict(state["state"]["curriculum"])
@@ -742,6 +763,41 @@ class Trainer:
                                  f"another checkpoint")
             self.policy.load_reference_state(load_file(str(path / ckpt.REFERENCE)))
 
+    def restore_best(self, saved: dict | None) -> None:
+        """After loading a checkpoint: take over its record of the best evaluation (same
+        run.select_best_on and mode), and make checkpoints/best/ agree with it. A best folder
+        written after the resumed iteration belongs to the continuation being replaced: it is
+        set aside under checkpoints/superseded-*/ (as later numbered checkpoints are)."""
+        restored = self.best.load_state_dict(saved)
+
+        def reconcile() -> None:
+            notes = []
+            if saved and not restored:
+                notes.append(f"the checkpoint's best record is for {saved.get('key')!r} "
+                             f"({saved.get('mode')}); run.select_best_on is now "
+                             f"{self.best.key!r} ({self.best.mode}): its best starts afresh")
+            folder = self.run_dir / "checkpoints" / ckpt.BEST
+            if folder.is_dir():
+                held = int(ckpt.read_state(folder)["iteration"])
+                if held > self.start_iteration:
+                    moved = ckpt.set_aside(self.run_dir, ckpt.BEST)
+                    record = self.run_dir / "checkpoints" / ckpt.BEST_RECORD
+                    if record.is_file():
+                        os.replace(record, moved.parent / ckpt.BEST_RECORD)
+                    notes.append(f"checkpoints/best (iteration {held}) came after the resumed "
+                                 f"iteration {self.start_iteration}: moved to {moved}")
+                    if restored and self.best.iteration is not None:
+                        notes.append(f"the best so far stays iteration {self.best.iteration} "
+                                     f"({self.best.key} {self.best.value:.4g}); its weights "
+                                     f"are saved again at the next new best")
+                elif restored and held == self.best.iteration:
+                    ckpt.write_json_atomic(self.run_dir / "checkpoints" / ckpt.BEST_RECORD,
+                                           self.best.state_dict())
+            for note in notes:
+                print(f"{self.run_dir}: {note}", flush=True)
+
+        self.main_only("reconciling checkpoints/best", reconcile)
+
     # ------------------------------------------------------------------ the run
     def log(self, record: dict) -> None:
         self.history.append(record)
@@ -753,9 +809,32 @@ class Trainer:
                 self.accelerator.log(scalars, step=record["iteration"])
 
     def eval_and_log(self, iteration: int) -> None:
+        """Evaluate -> log (metrics.jsonl, tracker scalars) -> print a line, redraw curves.png,
+        send the samples to the tracker -> keep checkpoints/best/ when run.select_best_on
+        improved (every process decides alike: the metrics are gathered)."""
         # Every process evaluates its share of the held-out rows (the policy gathers them).
         metrics = self.everywhere(f"evaluation at {iteration}", lambda: self.evaluate(iteration))
-        self.log({"iteration": iteration, "phase": "eval", **(metrics or {})})
+        record = {"iteration": iteration, "phase": "eval", **(metrics or {})}
+        self.log(record)
+        if metrics:
+            self.main_only(f"curves and samples of evaluation {iteration}",
+                           lambda: self.report_evaluation(iteration, record))
+        if self.best is not None and metrics and self.best.observe(iteration, metrics):
+            self.save(iteration, folder=ckpt.BEST)
+
+    def report_evaluation(self, iteration: int, record: dict) -> None:
+        """Main process: the evaluation's line on the console, ``curves.png`` redrawn from the
+        whole metrics log, the evaluation samples to the tracker."""
+        from tqdm.auto import tqdm
+
+        from flowgrpo.curves import CURVES, write_curves
+        from flowgrpo.eval_media import log_eval_media
+
+        tqdm.write(eval_line(iteration, record, self.directions, self.heldout_keys))
+        write_curves(read_records(self.run_dir / ckpt.METRICS), self.run_dir / CURVES,
+                     self.directions, self.heldout_keys)
+        if self.tracker != "none":
+            log_eval_media(self.accelerator, self.tracker, self.run_dir / "samples", iteration)
 
     def train(self, resume: str | None = None, overwrite: bool | None = None) -> list[dict]:
         """Run to ``run.max_iterations``. ``resume``: None (a new run), "latest" (the newest
@@ -809,10 +888,19 @@ class Trainer:
                 bar.write(f"iteration {done}: {metrics['reward/nan_count']} samples had no finite "
                           f"reward (NaN or +-inf); they were masked out of the advantages")
             last = done == cfg.run.max_iterations
+            stop = False
             if (cfg.run.eval_every and done % cfg.run.eval_every == 0) or last:
                 self.eval_and_log(done)
-            if (cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0) or last:
+                stop = self.best is not None and self.best.exhausted(cfg.run.early_stop_patience)
+            if (cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0) or last or stop:
                 self.save(done)
+            if stop and not last:
+                self.stopped_early = done
+                best = (f"{self.best.value:.4g} (iteration {self.best.iteration})"
+                        if self.best.value is not None else "any finite value")
+                bar.write(f"stopping early at iteration {done}: {self.best.key} has not beaten "
+                          f"{best} in {cfg.run.early_stop_patience} evaluations")
+                break
         bar.close()
         if cfg.run.comparison_grid:
             self._everywhere_or_main("comparison grid", self.write_comparison_grid)
@@ -823,7 +911,11 @@ class Trainer:
         return self.history
 
     def print_summary(self, seconds: float) -> None:
-        print(summary_line(self.config.name, self.history, seconds, self.run_dir), flush=True)
+        print(summary_line(self.config.name, self.history, seconds, self.run_dir,
+                           directions=self.directions, heldout=self.heldout_keys,
+                           best=self.best.state_dict() if self.best is not None else None,
+                           stopped_early=self.stopped_early,
+                           patience=self.config.run.early_stop_patience), flush=True)
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict:

@@ -549,3 +549,22 @@ def test_an_lm_run_loads_no_flow_code(tiny_lm_path, prompts_path, tmp_path):
                          timeout=300, cwd=str(ROOT))
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_held_out_text_rewards_score_the_evaluation_completions(tiny_lm_path, prompts_path,
+                                                                tmp_path):
+    """eval.rewards on the LM policy: scored on the evaluation's completions (mean and se),
+    never in the training records."""
+    from reward_models.text import LengthReward
+
+    trainer = Trainer(llm_config(tiny_lm_path, prompts_path, tmp_path,
+                                 "eval.rewards=[{name: length, options: {target: 3}}]"))
+    history = trainer.train()
+    evals = [h for h in history if h["phase"] == "eval"]
+    assert all({"eval/length", "eval/length/se", "eval/char_sum/se"} <= set(h) for h in evals)
+    assert not any(key.startswith("reward/length") for h in history if h["phase"] == "train"
+                   for key in h)
+    lines = (trainer.run_dir / "samples" / "eval_00001.jsonl").read_text().splitlines()
+    completions = [json.loads(line)["completion"] for line in lines]
+    expected = LengthReward(target=3)(completions, [""] * len(completions))
+    assert evals[-1]["eval/length"] == pytest.approx(float(expected.mean()), abs=1e-6)

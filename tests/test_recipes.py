@@ -5,6 +5,7 @@ normalised over every process, and the adapters' default size (docs/recipes.md).
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -123,10 +124,34 @@ def test_tiny_config_keeps_the_method_settings_and_shrinks_the_rest(name, tiny_b
     assert (tiny_builds / tiny_build_name(recipe.model.family, recipe.model.path)
             / "model_index.json").is_file()
     assert tiny.training.prompts_per_iteration * tiny.training.group_size == 8
-    for component in tiny.rewards.components:
+    for component in [*tiny.rewards.components, *tiny.eval.rewards]:
         for key in ("model", "processor", "head"):
             if key in component.options:
                 assert str(tiny_builds) in str(component.options[key])
+    assert [c.name for c in tiny.eval.rewards] == [c.name for c in recipe.eval.rewards]
+
+
+@pytest.mark.parametrize("path", sorted(Path("configs").glob("*.yaml")), ids=lambda p: p.stem)
+def test_every_config_loads_and_tiny_replaces_its_hub_weight_held_out_rewards(path, tiny_builds):
+    """Every shipped config validates; --tiny points every hub-weight reward of eval.rewards
+    (CLIP-based: PickScore, CLIP score, aesthetic, temporal consistency) at the tiny builds and
+    leaves the others (toy_artifacts) as they are."""
+    import yaml
+
+    from flowgrpo.tiny_recipe import TINY_REWARDS, _tiny_rewards
+
+    config = load_config(path)
+    raw = yaml.safe_load(path.read_text())
+    specs = (raw.get("eval") or {}).get("rewards") or []
+    assert [s["name"] for s in specs] == [s.name for s in config.eval.rewards]
+    for before, after in zip(specs, _tiny_rewards(specs, tiny_builds)):
+        if before["name"] in TINY_REWARDS:
+            assert str(after["options"]["model"]).startswith(str(tiny_builds)), before
+            kept = {k: v for k, v in (before.get("options") or {}).items()
+                    if k not in ("model", "processor", "head", "pretrained", "backend")}
+            assert kept.items() <= after["options"].items()
+        else:
+            assert after == before
 
 
 def test_tiny_overrides_win_and_llm_recipes_are_refused(tiny_builds):

@@ -81,6 +81,10 @@ def add_commands(subparsers) -> None:
     _add_model_arguments(evaluate, required=False)
     evaluate.add_argument("--rewards", default=None,
                           help="reward specs: ocr | ocr=1,aesthetic=0.1 | '[{name: ocr, ...}]'")
+    evaluate.add_argument("--eval-rewards", default=None,
+                          help="held-out metrics scored on the same samples besides the config's "
+                               "eval.rewards (same forms as --rewards; weights ignored), e.g. "
+                               "toy_artifacts,clip_score or '[{name: clip_score, label: clip}]'")
     evaluate.add_argument("--prompts", default=None,
                           help="prompt file (.txt / .jsonl), toy:<split>, or the prompt itself")
     evaluate.add_argument("--lora", default=None, metavar="CKPT",
@@ -119,6 +123,9 @@ def add_commands(subparsers) -> None:
                       help="prompt file (.txt / .jsonl), toy:<split>, or the prompt itself")
     grid.add_argument("--seeds", nargs="+", default=["0"], help="e.g. 0 1, 0,1 or 0-3 (default 0)")
     grid.add_argument("--rewards", default=None, help="label each cell with these rewards")
+    grid.add_argument("--eval-rewards", default=None,
+                      help="held-out metrics to add to each cell's label (same forms as "
+                           "--rewards; weights ignored), e.g. toy_artifacts,clip_score")
     grid.add_argument("--max-rows", type=int, default=8, help="rows per page (default 8)")
     grid.add_argument("--min-cell-size", type=int, default=128,
                       help="upscale smaller images (nearest neighbour, integer factor) to at least "

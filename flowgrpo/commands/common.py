@@ -70,17 +70,17 @@ def parse_options(items: list[str] | None) -> dict:
     return options
 
 
-def parse_reward_specs(text: str) -> list[dict]:
+def parse_reward_specs(text: str, flag: str = "--rewards") -> list[dict]:
     """``--rewards``: ``"ocr"``, ``"ocr=1.0,aesthetic=0.1"`` (name=weight; names may be
     ``package.module:Class``) or a YAML/JSON list of spec dicts (``"[{name: ocr, batch_size: 8}]"``)
-    -> list of MultiReward specs."""
+    -> list of MultiReward specs. ``flag`` names the option in errors (``--eval-rewards``)."""
     import yaml
 
     text = text.strip()
     if text.startswith("["):
         specs = yaml.safe_load(text)
         if not isinstance(specs, list) or not all(isinstance(s, (dict, str)) for s in specs):
-            raise ValueError(f"--rewards as YAML must be a list of names or {{name: ...}} dicts "
+            raise ValueError(f"{flag} as YAML must be a list of names or {{name: ...}} dicts "
                              f"(got {text!r})")
         specs = [{"name": s} if isinstance(s, str) else dict(s) for s in specs]
     else:
@@ -88,18 +88,49 @@ def parse_reward_specs(text: str) -> list[dict]:
         for part in text.split(","):
             name, sep, weight = part.strip().partition("=")
             if not name:
-                raise ValueError(f"--rewards has an empty entry (got {text!r})")
+                raise ValueError(f"{flag} has an empty entry (got {text!r})")
             spec: dict = {"name": name}
             if sep:
                 try:
                     spec["weight"] = float(weight)
                 except ValueError:
-                    raise ValueError(f"--rewards weight of {name!r} must be a number "
+                    raise ValueError(f"{flag} weight of {name!r} must be a number "
                                      f"(got {weight!r})") from None
             specs.append(spec)
     if not specs:
-        raise ValueError("--rewards is empty; name at least one reward")
+        raise ValueError(f"{flag} is empty; name at least one reward")
     return specs
+
+
+def held_out_specs(text: str | None, config_specs: list[dict] | None = None) -> list[dict]:
+    """Held-out metrics of ``eval`` / ``grid``: the config's ``eval.rewards`` (as
+    ``heldout.eval_reward_specs`` gives them) then ``--eval-rewards`` (``parse_reward_specs``
+    forms), a spec equal to an earlier one left out; weights are 0 (held-out metrics are
+    never summed into a total)."""
+    out: list[dict] = []
+    extra = parse_reward_specs(text, "--eval-rewards") if text else []
+    for spec in [*(config_specs or []), *extra]:
+        spec = {**spec, "weight": 0.0}
+        if spec not in out:
+            out.append(spec)
+    return out
+
+
+def load_held_out(specs: list[dict], reward_keys, device: str):
+    """The MultiReward of held-out ``specs`` on ``device`` (None when there are none); a key
+    equal to one of ``reward_keys`` (the scored rewards' keys) is refused: both would be
+    reported under one name."""
+    if not specs:
+        return None
+    from reward_models import MultiReward
+
+    held_out = MultiReward(specs, device=device)
+    clash = sorted(set(held_out.rewards) & (set(reward_keys) | {"total"}))
+    if clash:
+        raise ValueError(f"held-out metric {clash[0]!r} (--eval-rewards or the config's "
+                         f"eval.rewards) is also a scored reward's key; give it another with "
+                         f"'[{{name: ..., label: {clash[0]}_heldout}}]'")
+    return held_out
 
 
 def check_reward_names(specs: list[dict]) -> None:

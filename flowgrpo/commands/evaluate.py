@@ -10,8 +10,9 @@ from typing import TYPE_CHECKING
 from flowgrpo.checkpoint_inspection import (BASE, Checkpoint, check_checkpoint,
                                             checkpoint_applied, resolve_checkpoint)
 from flowgrpo.commands.common import (check_model_path, check_positive, check_reward_names,
-                                      check_writable_dir, default_sampling, generate, json_number,
-                                      load_flow_model, parse_model, parse_options,
+                                      check_writable_dir, default_sampling, generate,
+                                      held_out_specs, json_number, load_flow_model,
+                                      load_held_out, parse_model, parse_options,
                                       parse_reward_specs, parse_seeds, progress_bar,
                                       resolve_device, resolve_prompts, seed_noise)
 
@@ -56,9 +57,11 @@ def reward_statistics(scores: dict[str, Tensor], families: list[str | None]) -> 
     return out
 
 
-def format_table(statistics: dict) -> str:
+def format_table(statistics: dict, notes: dict[str, str] | None = None) -> str:
     """Rows = reward keys, columns = all samples and each family: 'mean +- std (n, se)', se the
-    standard error of the mean."""
+    standard error of the mean. ``notes``: key -> text after its row name (e.g. "held-out,
+    lower is better")."""
+    notes = notes or {}
     columns = [("all", statistics["rewards"])] + list(statistics["families"].items())
     keys = list(statistics["rewards"])
 
@@ -68,7 +71,8 @@ def format_table(statistics: dict) -> str:
         return f"{entry['mean']:.4f} +- {entry['std']:.4f} ({entry['count']}, se {entry['se']:.4f})"
 
     table = [["reward"] + [name for name, _ in columns]]
-    table += [[key] + [cell(stats[key]) for _, stats in columns] for key in keys]
+    table += [[key + (f" [{notes[key]}]" if notes.get(key) else "")]
+              + [cell(stats[key]) for _, stats in columns] for key in keys]
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
     lines = ["  ".join(text.ljust(width) for text, width in zip(row, widths)).rstrip()
              for row in table]
@@ -111,6 +115,10 @@ def run_eval(args: argparse.Namespace) -> int:
         aggregation = config.rewards.aggregation
         if not specs:
             raise ValueError(f"{args.config} has no rewards.components; pass --rewards")
+    from flowgrpo.heldout import eval_reward_specs
+
+    heldout_specs = held_out_specs(args.eval_rewards,
+                                   eval_reward_specs(config) if config is not None else None)
     if args.prompts:
         records = resolve_prompts(args.prompts)
     else:
@@ -151,6 +159,7 @@ def run_eval(args: argparse.Namespace) -> int:
     checkpoint = resolve_checkpoint(args.lora) if args.lora else Checkpoint(BASE, "base")
     check_checkpoint(checkpoint, family, path)
     check_reward_names(specs)
+    check_reward_names(heldout_specs)
     out = Path(args.out)
     check_writable_dir(out.parent if str(out.parent) else ".", "--out")
 
@@ -158,6 +167,7 @@ def run_eval(args: argparse.Namespace) -> int:
 
     device = resolve_device(args.device)
     reward = MultiReward(specs, aggregation=aggregation, device=device)
+    held_out = load_held_out(heldout_specs, reward.rewards, device)
     model = load_flow_model(family, path, dtype, device, options)
     check_checkpoint(checkpoint, family, path, model=model)
     steps, guidance = default_sampling(model, family, steps, guidance)
@@ -191,6 +201,17 @@ def run_eval(args: argparse.Namespace) -> int:
                          images=record_images([record for record, _ in rows]))
     bar.close()
     scores = reward(media, prompts, metadata)
+    if held_out is not None:   # the same samples, scored once more by the held-out metrics
+        scores.update({k: v for k, v in held_out(media, prompts, metadata).items()
+                       if k != "total"})
+    from flowgrpo.heldout import metric_higher_is_better, reward_directions
+
+    directions = reward_directions(reward, held_out)
+    heldout_keys = set(held_out.rewards) if held_out is not None else set()
+    notes = {key: ", ".join(([] if key.split(".")[0] not in heldout_keys else ["held-out"])
+                            + ([] if metric_higher_is_better(key, directions)
+                               else ["lower is better"]))
+             for key in scores}
     families = [m.get("family") if isinstance(m, dict) else None for m in metadata]
     statistics = reward_statistics(scores, families)
     passk = None
@@ -203,7 +224,10 @@ def run_eval(args: argparse.Namespace) -> int:
     result = {
         "model": f"{family}:{path}", "checkpoint": str(checkpoint.path) if checkpoint.path else BASE,
         "config": args.config, "num_steps": steps, "guidance_scale": guidance,
-        "num_samples": len(rows), **statistics,
+        "num_samples": len(rows),
+        "held_out": sorted(k for k in scores if k.split(".")[0] in heldout_keys),
+        "lower_is_better": sorted(k for k in scores if not metric_higher_is_better(k, directions)),
+        **statistics,
         **({"pass_at_k": passk} if passk is not None else {}),
         "samples": [{"prompt": record["prompt"], "seed": seed,
                      "family": record["metadata"].get("family"),
@@ -212,7 +236,7 @@ def run_eval(args: argparse.Namespace) -> int:
                     for i, (record, seed) in enumerate(rows)],
     }
     out.write_text(json.dumps(result, indent=2))
-    print(format_table(statistics))
+    print(format_table(statistics, notes))
     if passk is not None:
         from flowgrpo.passk import format_passk_table
 

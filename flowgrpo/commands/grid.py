@@ -10,7 +10,8 @@ from flowgrpo.checkpoint_inspection import (check_checkpoint, checkpoint_applied
                                             resolve_checkpoint, unique_labels)
 from flowgrpo.commands.common import (IMAGE_SUFFIXES, check_model_path, check_positive,
                                       check_reward_names, check_writable_dir, default_sampling,
-                                      generate, json_number, load_flow_model, parse_model,
+                                      generate, held_out_specs, json_number, load_flow_model,
+                                      load_held_out, parse_model,
                                       parse_options, parse_reward_specs, parse_seeds,
                                       progress_bar, resolve_device, resolve_prompts, seed_noise)
 
@@ -41,6 +42,8 @@ def run_grid(args: argparse.Namespace) -> int:
     specs = parse_reward_specs(args.rewards) if args.rewards else None
     if specs:
         check_reward_names(specs)
+    heldout_specs = held_out_specs(args.eval_rewards)
+    check_reward_names(heldout_specs)
 
     device = resolve_device(args.device)
     reward = None
@@ -48,6 +51,7 @@ def run_grid(args: argparse.Namespace) -> int:
         from reward_models import MultiReward
 
         reward = MultiReward(specs, device=device)
+    held_out = load_held_out(heldout_specs, reward.rewards if reward is not None else (), device)
     model = load_flow_model(family, path, args.dtype, device, options)
     for checkpoint in checkpoints:
         check_checkpoint(checkpoint, family, path, model=model)
@@ -66,7 +70,11 @@ def run_grid(args: argparse.Namespace) -> int:
             media = generate(model, prompts, noise, steps, guidance, args.batch_size, bar,
                              images=sources)
         columns.append(media)
-        scores.append(reward(media, prompts, metadata) if reward is not None else None)
+        column = reward(media, prompts, metadata) if reward is not None else {}
+        if held_out is not None:   # held-out metrics of the same images, for the labels
+            column.update({k: v for k, v in held_out(media, prompts, metadata).items()
+                           if k != "total"})
+        scores.append(column if column else None)
     bar.close()
     media = torch.stack(columns, dim=1)                  # (R, C, ...)
     lead = 0
@@ -77,9 +85,12 @@ def run_grid(args: argparse.Namespace) -> int:
     row_labels = [f"{record['prompt']}\nseed {seed}" for record, seed in rows]
     col_labels = ["source"] * lead + [checkpoint.label for checkpoint in checkpoints]
     cell_labels = None
-    if reward is not None:
-        verdicts = verdict_keys(scores, reward.weights)
-        cell_labels = [[""] * lead + [cell_caption(scores[c], reward.weights, r, verdict=verdicts)
+    if reward is not None or held_out is not None:
+        weights = reward.weights if reward is not None else {}
+        extra = list(held_out.rewards) if held_out is not None else []
+        verdicts = verdict_keys(scores, weights)
+        cell_labels = [[""] * lead + [cell_caption(scores[c], weights, r, verdict=verdicts,
+                                                   extra=extra, max_lines=4 + len(extra))
                                       for c in range(len(checkpoints))] for r in range(len(rows))]
     is_video = media.dim() == 6
     pages = paginate(len(rows), args.max_rows)
@@ -109,7 +120,8 @@ def run_grid(args: argparse.Namespace) -> int:
         "rows": [{"prompt": record["prompt"], "seed": seed, "metadata": record["metadata"]}
                  for record, seed in rows],
         "source_column": bool(lead),
-        "rewards": None if reward is None else {
+        "held_out": list(held_out.rewards) if held_out is not None else [],
+        "rewards": None if reward is None and held_out is None else {
             checkpoint.label: {k: [json_number(float(x)) for x in v] for k, v in column.items()}
             for checkpoint, column in zip(checkpoints, scores)},
         "pages": page_info,
