@@ -5,10 +5,10 @@ default is ``configs/toy_geneval.yaml``). This script trains each of them from t
 weights with the real ``Trainer``, for the same budget of process CPU seconds, on several
 training seeds, and ranks them by held-out accuracy::
 
-    python benchmarks/methods.py --calibrate                   # CPU s per iteration -> max_iterations
-    python benchmarks/methods.py --tune                        # lr x noise grid, one seed, short budget
-    python benchmarks/methods.py --seeds 0,1,2                 # the table (resumable)
-    python benchmarks/methods.py --report                      # table.md, methods.json, the plot
+    python benchmarks/methods.py --calibrate    # CPU s per iteration -> run.max_iterations
+    python benchmarks/methods.py --tune         # lr x noise grid, one seed, short budget
+    python benchmarks/methods.py --seeds 0,1,2  # the table (resumable)
+    python benchmarks/methods.py --report       # table.md, methods.json, the plot
     python benchmarks/methods.py --quick --methods flow_grpo,flash_grpo --out /tmp/quick
 
 What is equal: every run starts from ``assets/toy``; a training seed gives every method the same
@@ -239,10 +239,6 @@ def _finite(value: Any) -> Any:
     return value
 
 
-def file_digest(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()[:16]
-
-
 def run_status(path: Path, signature: dict) -> str:
     """"missing", "partial" (written at an evaluation, not finished: it is rerun from the start)
     or "finished". A finished run whose signature (what it measured under) differs from this
@@ -349,13 +345,19 @@ class RunSpec:
                            self.common_overrides(out) + list(self.overrides) + extra)
 
     def signature(self) -> dict:
-        """What a finished result was measured under; a rerun must match it to reuse it."""
-        method = METHODS[self.method]
+        """What a finished result was measured under; a rerun must match it to reuse it. The
+        config enters as a digest of the resolved config (file, overrides), so an edit that
+        changes nothing the run uses (a comment, a value an override replaces) keeps its
+        results."""
+        from flowgrpo.config import to_dict
+
+        resolved = to_dict(self.load(Path("out")))
+        del resolved["run"]["output_dir"]
+        digest = hashlib.sha256(json.dumps(resolved, sort_keys=True, default=str).encode())
         return {"method": self.method, "seed": self.seed, "budget": self.budget,
                 "eval_interval": self.eval_interval, "eval_seed": self.eval_seed,
                 "overrides": list(self.overrides), "max_iterations": self.max_iterations,
-                "config": method.config,
-                "config_sha256": file_digest(method.path)}
+                "config": METHODS[self.method].config, "config_digest": digest.hexdigest()[:16]}
 
 
 def eval_signature(config) -> dict:
@@ -559,7 +561,8 @@ def run_specs(specs: Iterable[RunSpec], out: Path, log: Callable[[str], None] = 
             log(f"== {spec.key}: running in process {lock.owner()}, skipped")
             continue
         try:
-            log(f"== {spec.key}: {'restarting an unfinished run' if status == 'partial' else 'training'}")
+            doing = "restarting an unfinished run" if status == "partial" else "training"
+            log(f"== {spec.key}: {doing}")
             train_run(spec, out, log)
             trained.append(spec.key)
         finally:
@@ -693,18 +696,20 @@ TABLE_HEADER = ("| method | seeds | acc@budget [95% CI] | gain [95% CI] | CPU s 
 
 def format_table(summaries: list[dict]) -> str:
     """The Markdown table of the report, one line per method."""
-    lines = [TABLE_HEADER, "|" + "|".join(["---", "---:"] + ["---:"] * (TABLE_HEADER.count("|") - 3))
-             + "|"]
+    columns = TABLE_HEADER.count("|") - 1
+    lines = [TABLE_HEADER, "|" + "|".join(["---"] + ["---:"] * (columns - 1)) + "|"]
     for s in summaries:
         to_target = s["seconds_to_target"]
         n = len(s["seeds"])
         reached = ("not reached" if to_target["median"] is None
                    else f"{to_target['median']:.0f}") + f" ({to_target['reached']}/{n})"
         p = s["per_iteration"]
+        capped = sum(by == "max_iterations" for by in s["iterations"]["stopped_by"])
+        iterations = _fmt(s["iterations"]["mean"], ".0f") + (f" ({capped} cap)" if capped else "")
         lines.append(
             f"| {s['label']} | {n} | {_interval_text(s['accuracy'])} | "
             f"{_interval_text(s['gain'], signed=True)} | {reached} | "
-            f"{_fmt(s['iterations']['mean'], '.0f')} | {_fmt(p['nfe_per_sample'], '.1f')} | "
+            f"{iterations} | {_fmt(p['nfe_per_sample'], '.1f')} | "
             f"{_fmt(p['trained_transitions'], '.0f')} | {_fmt(p['optimizer_steps'], '.1f')} | "
             f"{_fmt(p['cpu_seconds'], '.2f')} | {_fmt(p['rollout'], '.2f')} | "
             f"{_fmt(p['update'], '.2f')} | {_fmt(p['other'], '.2f')} | "
@@ -778,8 +783,10 @@ def report(out: Path, command: str = "", log: Callable[[str], None] = print) -> 
             + (f", artifacts {base['artifacts']:.4f}" if base["artifacts"] is not None else "")
             + ". CI: 95% t-interval over seeds. CPU s to +10: linear interpolation between "
               "evaluations, median over seeds ('not reached' counts as longer than the budget; "
-              "(k/n) seeds reached it). Per-iteration columns: means over every iteration of "
-              "every seed; rollout includes the reward; other = the rest of the iteration.",
+              "(k/n) seeds reached it). Iterations: mean over seeds; (k cap): k seeds stopped at "
+              "their config's run.max_iterations before the budget. Per-iteration columns: means "
+              "over every iteration of every seed, CPU seconds; rollout includes the reward; "
+              "other = the rest of the iteration.",
             ""]
     if command:
         head.insert(1, f"Command: `{command}`")
@@ -813,16 +820,24 @@ def calibrate(methods: list[Method], budget: float, iterations: int, out: Path,
     (MixGRPO's window, whose ODE prefix is computed once per group when the initial noise is
     shared) are sampled along it. Learning does not happen in between, so costs that change with
     the policy (fewer replay batches as more groups have no reward variance) are those of the
-    start. Nothing is evaluated.
+    start. The first method's untrained model is evaluated once, for the evaluation's cost.
     """
     from flowgrpo.trainer import Trainer
 
-    results = {}
+    results: dict[str, dict] = {}
+    evaluation_cost = None
     for method in methods:
         spec = RunSpec(method.name, 0, f"calibrate_{method.name}", budget, budget,
                        TABLE_EVAL_SEED, tuple(extra))
         config = spec.load(out)
         trainer = Trainer(config)
+        if evaluation_cost is None:
+            measured = evaluation(trainer, 0)
+            evaluation_cost = {"cpu_seconds": measured["eval_cpu_seconds"],
+                               "wall_seconds": measured["eval_wall_seconds"],
+                               "samples": measured["samples"]}
+            log(f"one evaluation ({measured['samples']} samples): "
+                f"{measured['eval_cpu_seconds']:.1f} cpu-s")
         phases = PhaseClock(trainer)
         total = config.run.max_iterations
         # a warm-up at 0, then the midpoints of `iterations` equal stretches of the run
@@ -856,10 +871,24 @@ def calibrate(methods: list[Method], budget: float, iterations: int, out: Path,
             + ("" if method.calibrated else " (not written: keeps the default's schedule)"))
         del trainer
         gc.collect()
-    data = {"measured": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "budget": budget,
-            "iterations_per_method": iterations, "load_average": _load(),
-            "torch_threads": _torch_threads(), "methods": results}
-    write_json(out / "calibration.json", data)
+    now = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+    for entry in results.values():
+        entry.update(measured=now, load_average=_load())
+    data = {"measured": now, "budget": budget, "iterations_per_method": iterations,
+            "torch_threads": _torch_threads(), "evaluation": evaluation_cost, "methods": results}
+    # Two invocations (one per core, --methods halves) merge their methods into one file.
+    path = out / "calibration.json"
+    lock = RunLock(path)
+    while not lock.acquire():
+        time.sleep(0.2)
+    try:
+        if path.is_file():
+            earlier = json.loads(path.read_text())
+            if earlier.get("budget") == budget:
+                data["methods"] = {**earlier.get("methods", {}), **results}
+        write_json(path, data)
+    finally:
+        lock.release()
     return data
 
 
@@ -1115,6 +1144,15 @@ def main(argv: list[str] | None = None) -> dict | None:
         return report(out, command)
     if args.calibrate:
         data = calibrate(methods, budget, args.calibrate_iterations, out, extra)
+        seeds = parse_list(args.seeds, int, "--seeds")
+        evaluations = len(milestones(budget, interval))
+        cost = data["evaluation"]["cpu_seconds"]
+        hours = len(methods) * len(seeds) * (budget + evaluations * cost) / 3600
+        tuning = len(methods) * 6 * (args.tune_budget + cost) / 3600
+        print(f"the table ({len(methods)} methods x {len(seeds)} seeds, {budget:g} s, "
+              f"{evaluations} evaluations a run): about {hours:.1f} CPU hours of training and "
+              f"evaluation, model loading not included; tuning adds {tuning:.1f} (6 points a "
+              f"method at --tune-budget {args.tune_budget:g})")
         if args.write_configs:
             for method in methods:
                 if method.calibrated and method.editable:

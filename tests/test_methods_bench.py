@@ -312,7 +312,8 @@ def test_runs_of_different_settings_are_not_summarised_together(bench):
 def test_table_has_a_line_per_method_and_says_not_reached(bench):
     summaries = [bench.summarize_method([_record("fast", 0, [0.36, 0.42, 0.45]),
                                          _record("fast", 1, [0.38, 0.41, 0.43])]),
-                 bench.summarize_method([_record("slow", 0, [0.31, 0.32, 0.33])])]
+                 bench.summarize_method([_record("slow", 0, [0.31, 0.32, 0.33],
+                                                 stopped_by="max_iterations")])]
     lines = [line for line in bench.format_table(summaries).splitlines() if line.startswith("| ")]
     header = [c.strip() for c in lines[0].strip("|").split("|")]
     rows = [dict(zip(header, [c.strip() for c in line.strip("|").split("|")]))
@@ -324,6 +325,7 @@ def test_table_has_a_line_per_method_and_says_not_reached(bench):
     assert rows[1]["acc@budget [95% CI]"] == "0.330 (n=1)"
     assert rows[1]["gain [95% CI]"] == "+0.030 (n=1)"
     assert rows[0]["trained/it"] == "960" and rows[0]["update"] == "5.00"
+    assert rows[0]["iterations"] == "30" and rows[1]["iterations"] == "30 (1 cap)"
 
 
 def test_tuning_choice_breaks_ties_toward_the_lower_lr(bench):
