@@ -196,21 +196,20 @@ def median_seconds(values: Sequence[float | None]) -> float | None:
 
 def artifact_value(metrics: dict) -> tuple[str, float] | None:
     """The toy image-quality metric (``toy_artifacts``) of an evaluation, when it was scored:
-    the family mean of its main component if logged, else its plain mean. None otherwise."""
+    (key, value) of its main score's family mean, else its main score's plain mean, else the
+    first family mean or value logged under that name. None when it was not scored."""
     keys = [k for k, v in metrics.items() if "toy_artifacts" in k and not k.endswith("/se")
             and isinstance(v, (int, float)) and math.isfinite(v)]
     if not keys:
         return None
-
-    def rank(key: str) -> tuple:
-        main = "toy_artifacts.artifacts" in key or key.rstrip("/").split("/")[-2:-1] == [
-            "toy_artifacts"] or key.endswith("toy_artifacts")
-        family = key.endswith("/family_mean")
-        per_family = not family and key.count("/") > 1
-        return (not main, per_family, not family, len(key))
-
-    best = min(keys, key=rank)
-    return best, float(metrics[best])
+    main = ("toy_artifacts.artifacts", "toy_artifacts")
+    for wanted in ([m + "/family_mean" for m in main], list(main)):
+        found = [k for k in keys if any(k.endswith(w) for w in wanted)]
+        if found:
+            return found[0], float(metrics[found[0]])
+    family = [k for k in keys if k.endswith("/family_mean")]
+    key = (family or keys)[0]
+    return key, float(metrics[key])
 
 
 # ----------------------------------------------------------------------------- files
@@ -860,7 +859,8 @@ def calibrate(methods: list[Method], budget: float, iterations: int, out: Path,
                  "update": mean["cpu/update"], "nfe_per_sample": mean["nfe"],
                  "trained_transitions": mean["trained_transitions"],
                  "max_iterations_for_budget": fit, "config_max_iterations": total,
-                 "iterations": rows, "calibrated": method.calibrated}
+                 "iterations": rows, "calibrated": method.calibrated,
+                 "measured": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "load_average": _load()}
         if method.window_visits:
             entry["shift_interval"] = max(1, round(fit / method.window_visits))
         results[method.name] = entry
@@ -871,10 +871,7 @@ def calibrate(methods: list[Method], budget: float, iterations: int, out: Path,
             + ("" if method.calibrated else " (not written: keeps the default's schedule)"))
         del trainer
         gc.collect()
-    now = time.strftime("%Y-%m-%d %H:%M:%S %Z")
-    for entry in results.values():
-        entry.update(measured=now, load_average=_load())
-    data = {"measured": now, "budget": budget, "iterations_per_method": iterations,
+    data = {"measured": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "budget": budget, "iterations_per_method": iterations,
             "torch_threads": _torch_threads(), "evaluation": evaluation_cost, "methods": results}
     # Two invocations (one per core, --methods halves) merge their methods into one file.
     path = out / "calibration.json"
