@@ -351,7 +351,9 @@ class RunSpec:
         from flowgrpo.config import to_dict
 
         resolved = to_dict(self.load(Path("out")))
-        del resolved["run"]["output_dir"]
+        for section, key in (("run", "output_dir"), ("run", "seed")):   # seed: its own entry
+            del resolved[section][key]
+        del resolved["name"]
         digest = hashlib.sha256(json.dumps(resolved, sort_keys=True, default=str).encode())
         return {"method": self.method, "seed": self.seed, "budget": self.budget,
                 "eval_interval": self.eval_interval, "eval_seed": self.eval_seed,

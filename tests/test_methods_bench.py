@@ -341,6 +341,16 @@ def test_tuning_choice_breaks_ties_toward_the_lower_lr(bench):
 # ----------------------------------------------------------------------------- resume
 
 
+def test_run_signatures_differ_in_settings_not_in_seed(bench):
+    def signature(seed, *overrides, budget=600.0):
+        spec = bench.RunSpec("flow_grpo", seed, f"flow_grpo_s{seed}", budget, 100.0, 0, overrides)
+        return {k: v for k, v in spec.signature().items() if k != "seed"}
+
+    assert signature(0) == signature(1)
+    assert signature(0) != signature(0, budget=300.0)
+    assert signature(0)["config_digest"] != signature(0, "training.lr=1e-4")["config_digest"]
+
+
 def test_run_status_and_refusal_of_other_settings(bench, tmp_path):
     path = tmp_path / "runs" / "x_s0.json"
     signature = {"budget": 600.0, "seed": 0}
