@@ -120,6 +120,10 @@ class PromptsConfig:
         "If > 0: evaluate exactly this many samples per metadata['family'] (cycling through the "
         "family's prompts with new seeds), so rare families are measured as precisely as common "
         "ones; eval_seeds is then ignored.", default=0)
+    eval_seed: int | None = _help(
+        "Seed of the evaluation noise (the run's evaluations, its grids and flowgrpo eval); "
+        "None = run.seed. Fix it to evaluate runs of different training seeds on the same "
+        "samples.", default=None)
     curriculum: CurriculumConfig = _help(
         "Variance curriculum over training prompts (off by default); combines with "
         "balance_key: the value is drawn uniformly, then a prompt by curriculum weight.",
@@ -588,6 +592,12 @@ def resume_signature(config: TrainConfig) -> dict[str, Any]:
     }
 
 
+def eval_noise_seed(config: TrainConfig) -> int:
+    """The seed of the evaluation noise: ``prompts.eval_seed``, or ``run.seed`` when it is None."""
+    seed = config.prompts.eval_seed
+    return config.run.seed if seed is None else seed
+
+
 def json_roundtrip(value: Any) -> Any:
     """``value`` as it reads back from JSON (tuples become lists), for comparisons with what a
     checkpoint stored."""
@@ -857,6 +867,9 @@ def validate(config: TrainConfig, num_processes: int = 1) -> None:
     _positive(p.num_eval, "prompts.num_eval", allow_zero=True)
     _positive(p.eval_seeds, "prompts.eval_seeds")
     _positive(p.eval_per_family, "prompts.eval_per_family", allow_zero=True)
+    if p.eval_seed is not None and p.eval_seed < 0:
+        raise ConfigError(f"prompts.eval_seed must be >= 0, or null to use run.seed "
+                          f"(got {p.eval_seed})")
     s = config.sampling
     _positive(s.num_steps, "sampling.num_steps")
     _positive(s.eval_num_steps, "sampling.eval_num_steps")

@@ -456,9 +456,12 @@ class FlowPolicy:
     # ------------------------------------------------------------------ evaluation
     def eval_noise(self, indices) -> Tensor:
         """Initial noise of evaluation samples ``indices`` (an int n: samples 0..n-1), seeded by
-        (seed, "eval", i): the same at every evaluation of the run and in ``flowgrpo eval``."""
+        (eval seed, "eval", i) (``config.eval_noise_seed``: prompts.eval_seed, else run.seed): the
+        same at every evaluation of the run and in ``flowgrpo eval``."""
+        from flowgrpo.config import eval_noise_seed
+
         indices = range(indices) if isinstance(indices, int) else indices
-        return eval_noise(self.model, self.config.run.seed, indices)
+        return eval_noise(self.model, eval_noise_seed(self.config), indices)
 
     def _sample(self, prompts: list[str], indices, batch_size: int | None = None,
                 images: list[Tensor] | None = None) -> Tensor:

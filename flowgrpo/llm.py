@@ -478,7 +478,10 @@ class LMPolicy:
         prompts = [records[i]["prompt"] for i in indices]
         generators = None
         if llm.eval_temperature > 0:
-            generators = [seeded_generator(self.config.run.seed, "eval", i) for i in indices]
+            from flowgrpo.config import eval_noise_seed
+
+            generators = [seeded_generator(eval_noise_seed(self.config), "eval", i)
+                          for i in indices]
         with self.accelerator.autocast():
             _, completion_ids, truncated = generate_completions(
                 self.module, self.model.tokenizer, prompts, max_new_tokens=llm.max_new_tokens,

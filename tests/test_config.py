@@ -95,6 +95,17 @@ def test_cli_reports_bad_config_in_one_line(tmp_path, capsys):
     assert "training.group_size" in err and "Traceback" not in err
 
 
+def test_eval_seed_defaults_to_the_run_seed_and_is_validated():
+    from flowgrpo.config import eval_noise_seed
+
+    assert load_config(data=base(), overrides=["run.seed=3"]).prompts.eval_seed is None
+    assert eval_noise_seed(load_config(data=base(), overrides=["run.seed=3"])) == 3
+    assert eval_noise_seed(load_config(data=base(), overrides=["run.seed=3",
+                                                               "prompts.eval_seed=0"])) == 0
+    with pytest.raises(ConfigError, match=r"prompts\.eval_seed"):
+        load_config(data=base(), overrides=["prompts.eval_seed=-1"])
+
+
 def test_overrides_do_not_mutate_the_callers_data():
     data = base(training={"lr": 1e-4})
     load_config(data=data, overrides=["training.lr=1e-5", "training.ratio_norm=true"])

@@ -1,17 +1,27 @@
-"""benchmarks/methods.py: method definitions, table and plot on synthetic records (no training)."""
+"""configs/toy_methods/ and benchmarks/methods.py: each method's config is the method it names
+(checked against a table of what each method IS, through the plans it builds), the benchmark's
+statistics, time-to-target, resume and config-editing helpers on synthetic inputs, and its quick
+mode end to end (slow)."""
 from __future__ import annotations
 
-import copy
+import json
+import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from flowgrpo.config import load_config
-from flowgrpo.plans import make_plan
+from flowgrpo.config import load_config, to_dict
+from flowgrpo.flow_policy import replay_batches_per_process, resolve_accumulation
+from flowgrpo.plans import make_plan, sample_trained_steps
 from tests.helpers import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
+TOY = ROOT / "assets" / "toy"
+needs_toy = pytest.mark.skipif(not (TOY / "transformer").is_dir(), reason="assets/toy is not built")
 
 
 @pytest.fixture(scope="module")
@@ -19,145 +29,459 @@ def bench():
     return load_benchmark("methods")
 
 
-def _settings(bench, tmp_path):
-    return bench.BenchSettings(model="assets/toy", out=tmp_path, budget=60.0, eval_interval=15.0)
+def method_config(bench, name, *overrides):
+    return load_config(bench.METHODS[name].path, [f"model.path={TOY}", *overrides])
 
 
-def _record(label, evals, seconds_per_it, nfe, trained, phases=(1.0, 0.5, 2.0)):
-    iterations = [{"iteration": i + 1, "seconds": seconds_per_it * (i + 1), "nfe": nfe,
-                   "trained_transitions": trained, "time/rollout": phases[0],
-                   "time/reward_wait": phases[1], "time/update": phases[2]} for i in range(4)]
-    return {"label": label, "iterations": iterations,
-            "evals": [{"iteration": 0, "seconds": 0.0, "accuracy": 0.20}] +
-                     [{"iteration": it, "seconds": s, "accuracy": a} for it, s, a in evals]}
+# What each method IS on the toy's 16 steps (its anchors, scaled as the config headers say):
+# the transition kind, which steps are stochastic and trained, how they are drawn, the solver
+# after the last stochastic step, whether a group shares its initial noise, and the loss options.
+#   stochastic: "all" (every step but the last) or the number of consecutive SDE steps
+#   trained: "all" (every stochastic step), "per_sample" (this many per sample, drawn per sample),
+#            or "stochastic" (the stochastic steps)
+#   moves: "group" (drawn per group), "iteration" (the same for every group, moving with the
+#          iteration), "fixed"
+#   first_half: stochastic steps lie in [0, 8)
+IS = {
+    "flow_grpo": dict(kind="flow_sde", stochastic="all", trained="all", moves="fixed",
+                      solver="euler", shared=False),
+    "flow_grpo_guard": dict(kind="flow_sde", stochastic="all", trained="all", moves="fixed",
+                            solver="euler", shared=False, ratio_norm=True, dt_reweight=True),
+    "dance_grpo": dict(kind="dance_sde", stochastic="all", trained=("per_sample", 9),
+                       moves="fixed", solver="euler", shared=True),
+    "mix_grpo": dict(kind="flow_sde", stochastic=3, trained="stochastic", moves="iteration",
+                     solver="euler", shared=True),
+    "mix_grpo_flash": dict(kind="flow_sde", stochastic=3, trained="stochastic",
+                           moves="iteration", solver="dpmpp_2m", shared=True, compressed=True),
+    "flow_grpo_fast": dict(kind="flow_sde", stochastic=2, trained="stochastic", moves="group",
+                           solver="euler", shared=False, first_half=True),
+    "flow_grpo_fast_cps": dict(kind="cps", stochastic=3, trained="stochastic", moves="group",
+                               solver="euler", shared=False, first_half=True,
+                               log_prob="unscaled"),
+    "flash_grpo": dict(kind="flash_sde", stochastic=1, trained="stochastic", moves="group",
+                       solver="euler", shared=False, first_half=True, rectification=True),
+    "default": dict(kind="flow_sde", stochastic=4, trained="stochastic", moves="group",
+                    solver="euler", shared=False, first_half=True),
+    "default_cgpo": dict(kind="flow_sde", stochastic=4, trained="stochastic", moves="group",
+                         solver="euler", shared=False, first_half=True, curriculum=True),
+}
 
 
-@pytest.fixture()
-def records():
-    return {"settings": {"clock": "cpu"}, "base": {"accuracy": 0.20}, "methods": {
-        "fast": _record("Fast", [(2, 20.0, 0.24), (4, 40.0, 0.26)], 10.0, 7, 128),
-        "slow": _record("Slow", [(2, 30.0, 0.21), (4, 60.0, 0.22)], 15.0, 10, 576,
-                        phases=(3.0, 0.0, 12.0)),
-    }}
-
-
-def _plan(config, iteration=0, group=0):
+def plans_of(config, iterations, groups=range(8)):
     sigmas = torch.linspace(1, 0, config.sampling.num_steps + 1)
-    return make_plan(config.sampling.plan, sigmas, iteration, group, config.run.seed)
+    return {(it, g): make_plan(config.sampling.plan, sigmas, it, g, config.run.seed)
+            for it in iterations for g in groups}
 
 
-@pytest.mark.parametrize("num_steps", [10, 16])
-def test_every_method_builds_a_valid_config_with_its_plan(bench, tmp_path, num_steps):
-    settings = _settings(bench, tmp_path)
-    n = num_steps
-    expected_trained = {"flow_grpo": n - 1, "dance_grpo": int(n * 0.6), "mix_grpo": 3,
-                        "mix_grpo_flash": 3, "flow_grpo_fast": 2, "flash_grpo": 1,
-                        "flow_grpo_guard": n - 1}
-    assert set(bench.METHODS) == set(expected_trained)
-    for name, method in bench.METHODS.items():
-        config = load_config(ROOT / bench.BASE_CONFIG,
-                             settings.overrides(method) + [f"sampling.num_steps={n}"])
-        plan = _plan(config)
-        assert len(plan.trained) == expected_trained[name], name
-        # Shared settings are the same for every method; only the method's own fields differ.
-        assert (config.run.seed, config.run.num_threads, config.model.path) == (0, 1, "assets/toy")
-        guard = name == "flow_grpo_guard"
-        assert config.training.ratio_norm == config.training.dt_reweight == guard
-        assert config.training.rectification == (name == "flash_grpo")
-        assert config.sampling.kind == ("dance_sde" if name == "dance_grpo" else "flow_sde")
-        assert config.sampling.noise_level == (0.3 if name == "dance_grpo" else 0.7)
+def test_the_table_covers_every_method_and_every_config_file(bench):
+    assert set(IS) == set(bench.METHODS)
+    files = {p.name for p in (ROOT / "configs" / "toy_methods").glob("*.yaml")}
+    assert files == {Path(m.config).name for m in bench.METHODS.values()
+                     if m.config.startswith("configs/toy_methods/")}
+    assert bench.METHODS["default"].config == "configs/toy_geneval.yaml"
 
 
-def test_set_overrides_apply_to_every_method_after_its_own(bench, tmp_path):
-    settings = bench.BenchSettings(model="m", out=tmp_path, budget=1.0, eval_interval=1.0,
-                                   extra_overrides=("sampling.noise_level=0.4", "training.lr=1e-5"),
-                                   base_data={"name": "x", "sampling": {"num_steps": 10},
-                                              "training": {"lr": 3e-5}, "rewards": {
-                                                  "components": [{"name": "geneval_toy"}]}})
-    snapshot = copy.deepcopy(settings.base_data)
-    for method in bench.METHODS.values():
-        config = settings.load(method)   # built from base_data, not from the file
-        assert (config.sampling.noise_level, config.training.lr) == (0.4, 1e-5)
-        assert config.name == method.name
-    # One method's overrides never leak into the next one's config.
-    assert settings.base_data == snapshot
-    assert not settings.load(bench.METHODS["flow_grpo_guard"]).training.rectification
+@pytest.mark.parametrize("name", sorted(IS))
+def test_each_config_is_its_method(bench, name):
+    config = method_config(bench, name)
+    spec = IS[name]
+    s, t = config.sampling, config.training
+    assert s.num_steps == 16 and s.kind == spec["kind"]
+    assert s.share_initial_noise == spec["shared"]
+    assert s.log_prob == spec.get("log_prob", "exact")
+    assert (t.ratio_norm, t.dt_reweight) == (spec.get("ratio_norm", False),
+                                            spec.get("dt_reweight", False))
+    assert t.rectification == spec.get("rectification", False)
+    assert config.prompts.curriculum.enabled == spec.get("curriculum", False)
+    iterations = range(0, config.run.max_iterations, max(config.run.max_iterations // 40, 1))
+    plans = plans_of(config, iterations)
+    for (it, group), plan in plans.items():
+        stochastic, trained = plan.stochastic, plan.trained
+        if spec["stochastic"] == "all":
+            assert stochastic == tuple(range(15))
+        else:
+            size = spec["stochastic"]
+            assert len(stochastic) == size and stochastic == tuple(
+                range(stochastic[0], stochastic[0] + size)), (it, group, stochastic)
+        if spec["trained"] in ("all", "stochastic"):
+            assert trained == stochastic
+        if spec.get("first_half"):
+            assert stochastic[-1] < 8
+        assert plan.solver_after == spec["solver"]
+        assert (plan.num_steps < 16) == spec.get("compressed", False)
+    starts = {plan.stochastic[0] for plan in plans.values()}
+    if spec["moves"] == "fixed":
+        assert len(starts) == 1
+    elif spec["moves"] == "group":
+        # drawn per (iteration, group): the groups of one iteration differ
+        assert len({plans[(0, g)].stochastic for g in range(8)}) > 1
+    else:
+        # the same window for every group of an iteration, moving one step at a time
+        assert all(len({plans[(it, g)].stochastic for g in range(8)}) == 1 for it in iterations)
+        path = [plans[(it, 0)].stochastic[0] for it in iterations]
+        assert len(set(path)) > 3 and all(b - a in (0, 1) or b == 0 for a, b in zip(path, path[1:]))
+        assert max(path) < 14
+    if isinstance(spec["trained"], tuple):
+        # DanceGRPO: a random subset of each sample's steps, drawn per sample
+        count = spec["trained"][1]
+        plan = plans[(0, 0)]
+        subsets = [sample_trained_steps(s.plan, plan, 0, sample, config.run.seed)
+                   for sample in range(8)]
+        assert all(len(sub) == count and set(sub) <= set(plan.stochastic) for sub in subsets)
+        assert len(set(subsets)) > 1
 
 
-def test_method_plans_have_their_papers_structure(bench, tmp_path):
-    settings = _settings(bench, tmp_path)
-
-    def config(name):
-        return load_config(ROOT / bench.BASE_CONFIG, settings.overrides(bench.METHODS[name]) +
-                           ["sampling.num_steps=10"])
-
-    # DanceGRPO: a different random subset per group.
-    dance = config("dance_grpo")
-    assert len({_plan(dance, 0, g).trained for g in range(8)}) > 1
-    # MixGRPO-Flash: DPM-Solver++ on a compressed tail -> fewer visited steps than MixGRPO.
-    mix, flash_mix = _plan(config("mix_grpo")), _plan(config("mix_grpo_flash"))
-    assert mix.num_steps == 10 and flash_mix.num_steps == 3 + max(int(7 * 0.4), 1)
-    assert flash_mix.solver_after == "dpmpp_2m"
-    # MixGRPO's window is the same for every group and moves every shift_interval iterations.
-    mix_config = config("mix_grpo")
-    assert _plan(mix_config, 0, 0).trained == _plan(mix_config, 0, 5).trained == (0, 1, 2)
-    assert _plan(mix_config, 3, 0).trained == (0, 1, 2)
-    assert _plan(mix_config, 4, 0).trained == (1, 2, 3)
-    # Fast and Flash-GRPO draw their steps in the first half of the trajectory, per group
-    # (Flash: one step, the same for the whole group: iso-temporal).
-    for name, size in (("flow_grpo_fast", 2), ("flash_grpo", 1)):
-        cfg = config(name)
-        steps = {_plan(cfg, it, g).trained for it in range(4) for g in range(8)}
-        assert all(len(s) == size and 0 <= s[0] < 5 for s in steps) and len(steps) > 1, name
+@pytest.mark.parametrize("name", sorted(IS))
+def test_every_method_takes_the_toy_world_base_batch_and_evaluation(bench, name):
+    default = to_dict(method_config(bench, "default"))
+    mine = to_dict(method_config(bench, name))
+    shared = [("model",), ("prompts", "train"), ("prompts", "eval"), ("prompts", "balance_key"),
+              ("prompts", "eval_per_family"), ("prompts", "eval_seed"),
+              ("sampling", "eval_num_steps"), ("sampling", "guidance_scale"),
+              ("sampling", "eval_guidance_scale"), ("sampling", "rollout_batch_size"),
+              ("training", "prompts_per_iteration"), ("training", "group_size"),
+              ("training", "lr_decay"), ("training", "lr_final_ratio"), ("training", "kl_beta"),
+              ("training", "adv_scale"), ("training", "skip_zero_std_groups"),
+              ("training", "ema"), ("rewards",)]
+    for path in shared:
+        a, b = default, mine
+        for part in path:
+            a, b = a[part], b[part]
+        assert a == b, (name, path)
+    if name == "default_cgpo":
+        # the default, field for field, but for the curriculum and the run's name
+        mine["prompts"]["curriculum"]["enabled"] = False
+        assert {k: v for k, v in mine.items() if k != "name"} == \
+            {k: v for k, v in default.items() if k != "name"}
 
 
-def test_summary_values_from_synthetic_records(bench, records):
-    rows, base, target = bench.summarize(records, target_delta=0.05)
-    assert base == 0.20 and target == pytest.approx(0.25)
-    fast, slow = rows
-    assert fast.method == "Fast" and fast.accuracy == 0.26 and fast.gain == pytest.approx(0.06)
-    assert fast.seconds_to_target == 40.0          # 0.24 at 20 s is short of 0.25
-    assert slow.seconds_to_target is None
-    assert fast.iterations == 4 and fast.trained_seconds == 40.0
-    assert fast.seconds_per_iteration == 10.0 and slow.seconds_per_iteration == 15.0
-    assert (slow.nfe, slow.trained_transitions) == (10, 576)
-    assert (slow.rollout, slow.reward, slow.update) == (3.0, 0.0, 12.0)
-    # An exact hit counts as reaching the target.
-    rows, _, _ = bench.summarize(records, target_delta=0.04)
-    assert rows[0].seconds_to_target == 20.0
+@pytest.mark.parametrize("name", sorted(set(IS) - {"default", "default_cgpo"}))
+def test_methods_take_two_optimiser_steps_per_iteration(bench, name):
+    config = method_config(bench, name)
+    batches = replay_batches_per_process(config, 1)
+    resolve_accumulation(config, 1)
+    assert math.ceil(batches / config.training.gradient_accumulation_steps) == 2
 
 
-def test_table_marks_unreached_targets_and_has_one_line_per_method(bench, records):
-    rows, base, target = bench.summarize(records, target_delta=0.05)
-    table = bench.format_table(rows, base, target)
-    lines = [line for line in table.splitlines() if line.startswith("| ")]
-    assert len(lines) == 3                        # header + two methods
+def test_mix_windows_sweep_the_share_of_the_range_the_anchors_sweep(bench):
+    """MixGRPO visits about half of its window positions in a run, MixGRPO-Flash about two
+    thirds (the anchors' 12 and 15 of 23), whatever run.max_iterations the calibration writes."""
+    for name, share in (("mix_grpo", 12 / 23), ("mix_grpo_flash", 15 / 23)):
+        config = method_config(bench, name)
+        plans = plans_of(config, range(config.run.max_iterations), groups=[0])
+        visited = {plan.stochastic[0] for plan in plans.values()}
+        assert abs(len(visited) / 14 - share) < 0.1, (name, len(visited))
+
+
+# ----------------------------------------------------------------------------- evaluation noise
+
+
+@needs_toy
+def test_fixed_eval_seed_gives_every_method_and_training_seed_the_same_samples(bench):
+    from types import SimpleNamespace
+
+    from flowgrpo.flow_policy import FlowPolicy
+    from flowgrpo.rollout import eval_noise
+    from pipelines.toy import ToyFlowModel
+
+    model = ToyFlowModel.from_pretrained(str(TOY))
+
+    def policy_noise(config):     # FlowPolicy.eval_noise reads only the model and the config
+        return FlowPolicy.eval_noise(SimpleNamespace(model=model, config=config), 4)
+
+    a = method_config(bench, "flow_grpo", "run.seed=0", "prompts.eval_seed=0")
+    b = method_config(bench, "flash_grpo", "run.seed=3", "prompts.eval_seed=0")
+    unset = method_config(bench, "flow_grpo", "run.seed=3")
+    seed_0, seed_3 = (eval_noise(model, seed, range(4)) for seed in (0, 3))
+    assert torch.equal(policy_noise(a), seed_0) and torch.equal(policy_noise(b), seed_0)
+    assert torch.equal(policy_noise(unset), seed_3)       # unset: follows run.seed, as before
+    assert not torch.equal(seed_0, seed_3)
+    # ... so the two runs share the base evaluation the benchmark caches
+    assert bench.eval_signature(a) == bench.eval_signature(b)
+    assert bench.eval_signature(a) != bench.eval_signature(unset)
+
+
+# ----------------------------------------------------------------------------- statistics
+
+
+def test_t_interval_matches_closed_forms(bench):
+    # n = 2: t_{0.975, 1} is the Cauchy quantile tan(0.475 pi) = 12.7062...
+    stats = bench.t_interval([0.30, 0.40])
+    assert stats["mean"] == pytest.approx(0.35)
+    assert stats["half_width"] == pytest.approx(math.tan(0.475 * math.pi) * 0.05, rel=1e-9)
+    # n = 5: t_{0.975, 4} = 2.776445 (tables); sample sd of 1..5 is sqrt(2.5)
+    stats = bench.t_interval([1, 2, 3, 4, 5])
+    assert stats["half_width"] == pytest.approx(2.776445 * math.sqrt(2.5) / math.sqrt(5),
+                                                rel=1e-6)
+    assert (stats["low"], stats["high"]) == pytest.approx((3 - stats["half_width"],
+                                                           3 + stats["half_width"]))
+    one = bench.t_interval([0.4])
+    assert one["mean"] == 0.4 and one["low"] is None and one["half_width"] is None
+
+
+def test_seconds_to_target_interpolates_between_evaluations(bench):
+    points = [(0.0, 0.30), (100.0, 0.35), (200.0, 0.45)]
+    assert bench.seconds_to_target(points, 0.40) == (pytest.approx(150.0), 200.0)
+    # the first crossing counts, even when accuracy dips below the target later
+    dipping = [(0.0, 0.30), (100.0, 0.42), (200.0, 0.35), (300.0, 0.50)]
+    assert bench.seconds_to_target(dipping, 0.40) == (pytest.approx(100 / 1.2), 100.0)
+    assert bench.seconds_to_target(points, 0.45) == (200.0, 200.0)      # exactly at an eval
+    assert bench.seconds_to_target(points, 0.46) == (None, None)
+
+
+def test_median_over_seeds_counts_not_reached_as_longer(bench):
+    assert bench.median_seconds([100.0, None, 300.0]) == 300.0
+    assert bench.median_seconds([100.0, None, None]) is None
+    assert bench.median_seconds([50.0, 70.0]) == 60.0
+    assert bench.median_seconds([50.0, None]) is None
+    assert bench.median_seconds([]) is None
+
+
+def test_milestones(bench):
+    assert bench.milestones(600, 100) == [100, 200, 300, 400, 500, 600]
+    assert bench.milestones(250, 100) == [100, 200, 250]
+    with pytest.raises(ValueError, match="> 0"):
+        bench.milestones(600, 0)
+
+
+def test_artifact_metric_is_found_under_its_logged_names(bench):
+    assert bench.artifact_value({"eval/geneval_toy.exact/family_mean": 0.4}) is None
+    metrics = {"eval/toy_artifacts.background/family_mean": 0.02,
+               "eval/toy_artifacts.artifacts/family_mean": 0.05,
+               "eval/toy_artifacts.artifacts/family_mean/se": 0.001,
+               "eval/toy_artifacts.artifacts/colors": 0.09,
+               "eval/toy_artifacts.artifacts": 0.06}
+    assert bench.artifact_value(metrics) == ("eval/toy_artifacts.artifacts/family_mean", 0.05)
+    assert bench.artifact_value({"eval/toy_artifacts": 0.03, "eval/toy_artifacts/se": 0.1}) == \
+        ("eval/toy_artifacts", 0.03)
+
+
+def _record(method, seed, accuracies, seconds_per_it=10.0, budget=300.0, interval=100.0,
+            base=0.30, stopped_by="budget"):
+    """A finished run: evaluations at 100, 200, 300 CPU seconds."""
+    evals = [{"iteration": 0, "cpu_seconds": 0.0, "marks": [0.0], "accuracy": base,
+              "artifacts": 0.001}]
+    for k, accuracy in enumerate(accuracies, start=1):
+        evals.append({"iteration": 10 * k, "cpu_seconds": 100.0 * k + 3, "marks": [100.0 * k],
+                      "accuracy": accuracy, "artifacts": 0.01 * k})
+    n = 10 * len(accuracies)
+    columns = {"cpu/iteration": [seconds_per_it] * n, "cpu/rollout": [4.0] * n,
+               "cpu/advantages": [0.5] * n, "cpu/update": [5.0] * n, "nfe": [16] * n,
+               "trained_transitions": [960] * n, "train/optimizer_steps": [2] * n}
+    return {"method": method, "label": method.title(), "seed": seed, "key": f"{method}_s{seed}",
+            "finished": True, "signature": {"method": method, "seed": seed, "budget": budget,
+                                            "eval_interval": interval},
+            "base": {"accuracy": base, "accuracy_se": 0.02, "artifacts": 0.001},
+            "evals": evals, "iterations": columns, "iterations_done": n,
+            "max_iterations": 30, "stopped_by": stopped_by, "cpu_seconds": 303.0}
+
+
+def test_summary_of_synthetic_runs(bench):
+    records = [_record("fast", 0, [0.36, 0.42, 0.45]), _record("fast", 1, [0.38, 0.41, 0.43]),
+               _record("fast", 2, [0.31, 0.33, 0.37])]
+    s = bench.summarize_method(records)
+    finals = [0.45, 0.43, 0.37]
+    assert s["accuracy"]["mean"] == pytest.approx(sum(finals) / 3)
+    assert s["accuracy"]["per_seed"] == finals
+    assert s["gain"]["mean"] == pytest.approx(sum(finals) / 3 - 0.30)
+    assert s["gain"]["half_width"] == pytest.approx(s["accuracy"]["half_width"])
+    # seed 0 crosses 0.40 between 103 s (0.36) and 203 s (0.42): 103 + 100 * 4/6
+    to_target = s["seconds_to_target"]["per_seed"]
+    assert to_target[0] == pytest.approx(103 + 100 * 4 / 6)
+    assert to_target[1] == pytest.approx(103 + 100 * 2 / 3)
+    assert to_target[2] is None
+    assert s["seconds_to_target"]["median"] == pytest.approx(max(to_target[:2]))
+    assert s["seconds_to_target"]["reached"] == 2
+    assert s["curve"]["cpu_seconds"] == [0.0, 100.0, 200.0, 300.0]
+    assert s["curve"]["mean"][1] == pytest.approx((0.36 + 0.38 + 0.31) / 3)
+    assert (s["curve"]["min"][3], s["curve"]["max"][3]) == (0.37, 0.45)
+    p = s["per_iteration"]
+    assert (p["cpu_seconds"], p["rollout"], p["update"]) == (10.0, 4.0, 5.0)
+    assert p["other"] == pytest.approx(0.5)
+    assert (p["nfe_per_sample"], p["trained_transitions"], p["optimizer_steps"]) == (16, 960, 2)
+    assert s["artifacts"]["mean"] == pytest.approx(0.03) and s["base"]["artifacts"] == 0.001
+    assert s["iterations"]["per_seed"] == [30, 30, 30]
+
+
+def test_runs_of_different_settings_are_not_summarised_together(bench):
+    other = _record("fast", 1, [0.4, 0.4, 0.4], budget=200.0)
+    with pytest.raises(ValueError, match="different settings"):
+        bench.summarize_method([_record("fast", 0, [0.4, 0.4, 0.4]), other])
+
+
+def test_table_has_a_line_per_method_and_says_not_reached(bench):
+    summaries = [bench.summarize_method([_record("fast", 0, [0.36, 0.42, 0.45]),
+                                         _record("fast", 1, [0.38, 0.41, 0.43])]),
+                 bench.summarize_method([_record("slow", 0, [0.31, 0.32, 0.33],
+                                                 stopped_by="max_iterations")])]
+    lines = [line for line in bench.format_table(summaries).splitlines() if line.startswith("| ")]
     header = [c.strip() for c in lines[0].strip("|").split("|")]
-    slow = dict(zip(header, [c.strip() for c in lines[2].strip("|").split("|")]))
-    assert slow["method"] == "Slow" and slow["s to target"] == "-" and slow["acc@budget"] == "0.220"
-    assert slow["trained/it"] == "576" and slow["update"] == "12.0"
+    rows = [dict(zip(header, [c.strip() for c in line.strip("|").split("|")]))
+            for line in lines[1:]]
+    assert len(rows) == 2
+    assert rows[0]["method"] == "Fast" and rows[0]["seeds"] == "2"
+    assert rows[0]["CPU s to +10 (median)"].endswith("(2/2)")
+    assert rows[1]["CPU s to +10 (median)"] == "not reached (0/1)"
+    assert rows[1]["acc@budget [95% CI]"] == "0.330 (n=1)"
+    assert rows[1]["gain [95% CI]"] == "+0.030 (n=1)"
+    assert rows[0]["trained/it"] == "960" and rows[0]["update"] == "5.00"
+    assert rows[0]["iterations"] == "30" and rows[1]["iterations"] == "30 (1 cap)"
 
 
-def test_plot_writes_a_png(bench, records, tmp_path):
-    path = bench.plot_accuracy(records, tmp_path / "plot.png", target=0.25)
-    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+def test_tuning_choice_breaks_ties_toward_the_lower_lr(bench):
+    points = [{"lr": 4e-4, "noise_rank": 0, "accuracy": 0.50},
+              {"lr": 2e-4, "noise_rank": 1, "accuracy": 0.50},
+              {"lr": 2e-4, "noise_rank": 0, "accuracy": 0.48},
+              {"lr": 1e-4, "noise_rank": 0, "accuracy": 0.45}]
+    assert bench.choose(points) == points[1]
+    assert bench.choose(points, tolerance=0.02) == points[2]     # 0.48 ties within 0.02
+    assert bench.choose(points, tolerance=0.05) == points[3]
 
 
-def test_accuracy_label_says_when_the_evaluation_is_on_trained_prompts(bench):
-    def records_with(train, evaluation):
-        config = {"prompts": {"train": train, "eval": evaluation}}
-        return {"methods": {"a": {"config": config}, "b": {"config": config}}}
-
-    assert bench.accuracy_label(records_with("toy:train", "toy:heldout")).startswith("held-out")
-    assert "trained prompts" in bench.accuracy_label(records_with("one.jsonl", "one.jsonl"))
+# ----------------------------------------------------------------------------- resume
 
 
-def test_bad_arguments_name_the_fix(bench, tmp_path):
+def test_run_signatures_differ_in_settings_not_in_seed(bench):
+    def signature(seed, *overrides, budget=600.0):
+        spec = bench.RunSpec("flow_grpo", seed, f"flow_grpo_s{seed}", budget, 100.0, 0, overrides)
+        return {k: v for k, v in spec.signature().items() if k != "seed"}
+
+    assert signature(0) == signature(1)
+    assert signature(0) != signature(0, budget=300.0)
+    assert signature(0)["config_digest"] != signature(0, "training.lr=1e-4")["config_digest"]
+
+
+def test_run_status_and_refusal_of_other_settings(bench, tmp_path):
+    path = tmp_path / "runs" / "x_s0.json"
+    signature = {"budget": 600.0, "seed": 0}
+    assert bench.run_status(path, signature) == "missing"
+    bench.write_json(path, {"finished": False, "signature": signature})
+    assert bench.run_status(path, signature) == "partial"
+    bench.write_json(path, {"finished": True, "signature": signature})
+    assert bench.run_status(path, signature) == "finished"
+    with pytest.raises(ValueError, match="budget"):
+        bench.run_status(path, {"budget": 300.0, "seed": 0})
+
+
+def test_rerun_trains_only_unfinished_runs(bench, tmp_path, monkeypatch):
+    trained = []
+
+    def fake_train(spec, out, log=print):
+        trained.append(spec.key)
+        bench.write_json(out / "runs" / f"{spec.key}.json",
+                         {"finished": True, "signature": spec.signature()})
+
+    monkeypatch.setattr(bench, "train_run", fake_train)
+    specs = [bench.RunSpec(name, 0, f"{name}_s0", 60.0, 20.0, 0)
+             for name in ("flow_grpo", "flash_grpo", "mix_grpo", "dance_grpo")]
+    runs = tmp_path / "runs"
+    bench.write_json(runs / "flow_grpo_s0.json", {"finished": True,
+                                                  "signature": specs[0].signature()})
+    bench.write_json(runs / "flash_grpo_s0.json", {"finished": False,
+                                                   "signature": specs[1].signature()})
+    (runs / "dance_grpo_s0.lock").write_text(str(os.getpid()))     # held by a live process
+    assert bench.run_specs(specs, tmp_path, log=lambda _: None) == ["flash_grpo_s0",
+                                                                     "mix_grpo_s0"]
+    assert trained == ["flash_grpo_s0", "mix_grpo_s0"]
+    assert not (runs / "mix_grpo_s0.lock").exists()        # released after the run
+    # a second invocation finds everything done but the locked run
+    trained.clear()
+    (runs / "dance_grpo_s0.lock").unlink()
+    assert bench.run_specs(specs, tmp_path, log=lambda _: None) == ["dance_grpo_s0"]
+    # a finished run of other settings stops the invocation before anything trains
+    trained.clear()
+    longer = [bench.RunSpec("flow_grpo", 0, "flow_grpo_s0", 120.0, 20.0, 0)]
+    with pytest.raises(ValueError, match="other settings"):
+        bench.run_specs(longer, tmp_path, log=lambda _: None)
+    assert trained == []
+
+
+def test_a_lock_left_by_a_dead_process_is_taken_over(bench, tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    path = tmp_path / "run.json"
+    path.with_suffix(".lock").write_text(str(dead.pid))
+    lock = bench.RunLock(path)
+    assert lock.acquire() and lock.owner() == os.getpid()
+    assert not bench.RunLock(path).acquire()         # now held by this (live) process
+    lock.release()
+    assert not path.with_suffix(".lock").exists()
+
+
+# ----------------------------------------------------------------------------- config edits
+
+
+def test_calibration_and_tuning_values_are_written_into_a_config(bench, tmp_path):
+    source = ROOT / "configs" / "toy_methods" / "mix_grpo.yaml"
+    copy = tmp_path / "mix_grpo.yaml"
+    copy.write_text(source.read_text())
+    method = bench.Method("mix_copy", "Mix copy", str(copy), (0.7, 1.0), window_visits=7)
+    values = bench.calibrated_values(method, {"max_iterations_for_budget": 140,
+                                              "shift_interval": 20})
+    values.update({"training.lr": bench.yaml_number(4e-4),
+                   "sampling.noise_level": bench.yaml_number(1.0)})
+    bench.write_config_values(method, values)
+    config = load_config(copy, [f"model.path={TOY}"])
+    assert (config.run.max_iterations, config.run.eval_every, config.run.checkpoint_every) == \
+        (140, 35, 35)
+    assert config.sampling.plan.shift_interval == 20
+    assert (config.training.lr, config.sampling.noise_level) == (4e-4, 1.0)
+    # every other line, comments included, is unchanged
+    before, after = source.read_text().splitlines(), copy.read_text().splitlines()
+    changed = [(a, b) for a, b in zip(before, after) if a != b]
+    assert len(before) == len(after) and len(changed) == 6
+    assert all("#" not in a or "#" in b for a, b in changed)
+    with pytest.raises(ValueError, match="plan"):    # a flow mapping is left to the user
+        bench.set_yaml_scalar("sampling:\n  plan: {kind: branch}\n", "sampling.plan.kind", "x")
+    with pytest.raises(ValueError, match="not edited"):
+        bench.write_config_values(bench.METHODS["default"], {"training.lr": "1.0e-4"})
+
+
+def test_bad_arguments_name_the_fix(bench):
     with pytest.raises(ValueError, match="unknown method nope"):
         bench.parse_methods("flow_grpo,nope")
-    with pytest.raises(ValueError, match="clock must be one of"):
-        bench.BenchSettings(model="m", out=tmp_path, budget=1.0, eval_interval=1.0, clock="gpu")
-    with pytest.raises(ValueError, match="budget must be > 0"):
-        bench.BenchSettings(model="m", out=tmp_path, budget=0.0, eval_interval=1.0)
-    rows, _, _ = bench.summarize({"base": {"accuracy": 0.1}, "methods": {}}, 0.05)
-    assert rows == []
+    with pytest.raises(ValueError, match="--seeds"):
+        bench.parse_list("0,x", int, "--seeds")
+    with pytest.raises(ValueError, match="METHOD=V1,V2"):
+        bench.parse_noise(["flow_grpo"])
+
+
+# ----------------------------------------------------------------------------- end to end
+
+
+@pytest.mark.slow
+@needs_toy
+def test_quick_benchmark_end_to_end_writes_table_json_and_plot(bench, tmp_path):
+    """Two methods x two seeds in quick mode (2 CPU seconds each, 12 evaluation samples):
+    the table, the JSON with every field of the report and the plot are written; a rerun of
+    the same command trains nothing. About 40 s."""
+    args = ["--quick", "--methods", "flash_grpo,flow_grpo_fast", "--seeds", "0,1",
+            "--out", str(tmp_path)]
+    data = bench.main(args)
+    assert set(data["methods"]) == {"flash_grpo", "flow_grpo_fast"}
+    for summary in data["methods"].values():
+        assert summary["seeds"] == [0, 1]
+        assert summary["accuracy"]["low"] is not None and summary["gain"]["high"] is not None
+        assert "median" in summary["seconds_to_target"]
+        per_it = summary["per_iteration"]
+        assert per_it["nfe_per_sample"] > 0 and per_it["trained_transitions"] > 0
+        assert per_it["cpu_seconds"] > 0 and per_it["rollout"] > 0 and per_it["update"] >= 0
+        assert summary["iterations"]["mean"] >= 1
+        assert summary["curve"]["cpu_seconds"][0] == 0.0 and summary["curve"]["n"][-1] == 2
+        assert "artifacts" in summary
+    for seed in (0, 1):
+        run = json.loads((tmp_path / "runs" / f"flash_grpo_s{seed}.json").read_text())
+        assert run["finished"] and run["torch_threads"] == 1
+        assert run["cpu_seconds"] >= bench.QUICK_BUDGET or \
+            run["iterations_done"] == run["max_iterations"]
+        assert all(e["samples"] == 12 for e in run["evals"])
+    # one base evaluation for every method and seed
+    assert len(list((tmp_path / "base").glob("*.json"))) == 1
+    table = (tmp_path / "table.md").read_text()
+    assert bench.TABLE_HEADER in table and "| Flash-GRPO | 2 |" in table
+    assert (tmp_path / "accuracy_vs_cpu_seconds.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert json.loads((tmp_path / "methods.json").read_text())["methods"].keys() == \
+        data["methods"].keys()
+    stamps = {p: p.stat().st_mtime_ns for p in (tmp_path / "runs").glob("*.json")}
+    bench.main(args)
+    assert {p: p.stat().st_mtime_ns for p in (tmp_path / "runs").glob("*.json")} == stamps

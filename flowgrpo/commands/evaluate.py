@@ -86,6 +86,7 @@ def format_table(statistics: dict, notes: dict[str, str] | None = None) -> str:
 
 
 def run_eval(args: argparse.Namespace) -> int:
+    from flowgrpo.config import eval_noise_seed
     from flowgrpo.rollout import eval_noise
 
     config = None
@@ -180,9 +181,10 @@ def run_eval(args: argparse.Namespace) -> int:
         rows = [(record, seed) for record in records for seed in seeds]
         noise = seed_noise(model, [seed for _, seed in rows])
     elif per_prompt is not None:
-        # The config's eval noise stream (seeded by run.seed), one draw per sample, prompt-major.
+        # The config's eval noise stream (prompts.eval_seed, else run.seed), one draw per sample,
+        # prompt-major.
         rows = [(record, None) for record in records for _ in range(per_prompt)]
-        noise = eval_noise(model, config.run.seed, range(len(rows)))
+        noise = eval_noise(model, eval_noise_seed(config), range(len(rows)))
     else:
         # The trainer's evaluation samples and noise (FlowPolicy.evaluate, rollout.eval_noise): its
         # eval/ metrics are reproduced, including eval_per_family's balanced selection.
@@ -190,7 +192,7 @@ def run_eval(args: argparse.Namespace) -> int:
 
         selection = eval_selection(records, config.prompts.eval_per_family, config.prompts.eval_seeds)
         rows = [(record, None) for record in selection]
-        noise = eval_noise(model, config.run.seed, range(len(rows)))
+        noise = eval_noise(model, eval_noise_seed(config), range(len(rows)))
     prompts = [record["prompt"] for record, _ in rows]
     from flowgrpo.prompts import record_images, reward_metadata
 
