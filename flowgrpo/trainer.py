@@ -144,11 +144,13 @@ class Trainer:
             self.policy = load_policy_class(config.policy)(config, self.accelerator,
                                                            self.train_records, model=model)
             self.trainable = self.policy.trainable
-            from flowgrpo.flow_policy import ema_updates_per_step
+            updates = t.ema.updates_per_step or 1
+            if config.policy == "flow":       # 0 = the rollout chunks per step (flow_policy)
+                from flowgrpo.flow_policy import ema_updates_per_step
 
+                updates = ema_updates_per_step(config, self.accelerator.num_processes)
             self.ema = EMA(self.trainable, t.ema.decay, t.ema.every, warmup=t.ema.warmup,
-                           updates_per_step=ema_updates_per_step(
-                               config, self.accelerator.num_processes)) if t.ema.enabled else None
+                           updates_per_step=updates) if t.ema.enabled else None
             if getattr(getattr(self.policy, "model", None), "may_skip_parameters", False):
                 # Some forwards leave trainable parameters without a gradient (the other expert
                 # of Wan2.2): without this DDP stops at the second backward.

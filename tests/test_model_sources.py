@@ -45,8 +45,9 @@ def test_a_recipe_offline_fails_first_with_one_message(offline_hub, tmp_path, mo
     from flowgrpo.cli import main
 
     _nothing_else_loads(monkeypatch)
+    # mixed precision off: accelerate's state is one per process, and other tests made it so
     code = main(["train", "configs/sd3_ocr.yaml", f"run.output_dir={tmp_path / 'runs'}",
-                 "run.tracker=none"])
+                 "run.tracker=none", "training.mixed_precision='no'"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1
     assert "stabilityai/stable-diffusion-3.5-medium" in err and "model.path" in err
@@ -69,7 +70,8 @@ def test_a_folder_that_is_not_a_whole_pipeline_fails_first(offline_hub, tmp_path
         "scheduler": ["diffusers", "FlowMatchEulerDiscreteScheduler"],
         "tokenizer": ["transformers", "CLIPTokenizer"],
         "text_encoder_3": [None, None]}))
-    overrides = [f"model.path={folder}", f"run.output_dir={tmp_path / 'runs'}", "run.tracker=none"]
+    overrides = [f"model.path={folder}", f"run.output_dir={tmp_path / 'runs'}", "run.tracker=none",
+                 "training.mixed_precision='no'"]
     with pytest.raises(InputError, match=r"incomplete, it lacks transformer/config\.json, "
                                          r"tokenizer/tokenizer_config\.json.*huggingface-cli"):
         Trainer(load_config("configs/sd3_ocr.yaml", overrides))
