@@ -274,7 +274,7 @@ def fetch(name: str, root: str | os.PathLike | None = None, *, accept_license: b
         raise ValueError(f"unknown prompt set {name!r}; known: {', '.join(PROMPT_SETS)}")
     prompt_set = PROMPT_SETS[name]
     if prompt_set.needs_acceptance and not accept_license:
-        raise PermissionError(f"{name}: its terms are {prompt_set.terms}. Read them, then run "
+        raise PermissionError(f"the set's terms are {prompt_set.terms}. Read them, then run "
                               f"again with --accept-license to fetch it")
     folder = prompt_set.folder(root)
     log(f"{name}: {prompt_set.anchor}; terms: {prompt_set.terms}")
