@@ -174,6 +174,16 @@ class EmaConfig:
                           default=False)
     decay: float = _help("Maximum EMA decay; warm-up min((1+k)/(10+k), decay).", default=0.9)
     every: int = _help("Update the EMA every N optimiser steps.", default=8)
+    warmup: str = _help(
+        "What the decay warm-up counts: 'updates' (k = EMA updates made, one every `every` "
+        "steps: 0.9 is reached at optimiser step 80 * every) or 'optimizer_steps' (Flow-GRPO's "
+        "and Flash-GRPO's loops: k = optimiser steps taken, an update after step k when "
+        "(k + 1) % every == 0: 0.9 at step 80).", default="updates")
+    updates_per_step: int = _help(
+        "warmup optimizer_steps: times each update is applied. Flow-GRPO calls its EMA after "
+        "every sample batch, so an update is applied once per sample batch of the step; 0 = "
+        "that count here, the rollout batches per optimiser step on each process (2 in "
+        "Flow-GRPO's 32-GPU SD3 recipes); Flash-GRPO: 1.", default=1)
 
 
 @dataclass
@@ -284,6 +294,16 @@ class TrainingConfig:
     dt_reweight: bool = _help("GRPO-Guard 1/dt gradient reweighting (normalised by batch mean).",
                               default=False)
     rectification: bool = _help("Flash-GRPO temporal rectification weights kappa(t).", default=False)
+    dt_reweight_norm: str = _help(
+        "How dt_reweight scales a replay batch's loss: 'iteration' (1/dt divided by its mean "
+        "over the iteration's trained transitions on every process: the lr keeps its meaning) "
+        "or 'batch_mean' (GRPO-Guard's released loss: divided by mean_b(sqrt(sigma - "
+        "sigma_next))^2 over the replay batch, not normalised).", default="iteration")
+    loss_scale: str = _help(
+        "Extra factor on each replay batch's policy loss (not the KL): 'none', or "
+        "'std_over_sqrt_dt' (Flow-GRPO's Wan loop: mean_b(s) / mean_b(sqrt(sigma - sigma_next)) "
+        "over the replay batch, s the step's std_dev_t without sqrt(dt), sde.anchor_std).",
+        default="none")
     skip_zero_std_groups: bool = _help(
         "Skip replay of batches whose advantages are all zero (DAPO-style filtering).", default=True)
     mixed_precision: str = _help(
@@ -924,6 +944,12 @@ def validate(config: TrainConfig, num_processes: int = 1) -> None:
         _positive(t.clip_high, "training.clip_high")
     _positive(t.kl_beta, "training.kl_beta", allow_zero=True)
     _choice(t.kl_convention, choices["training.kl_convention"], "training.kl_convention")
+    _choice(t.dt_reweight_norm, ("iteration", "batch_mean"), "training.dt_reweight_norm")
+    _choice(t.loss_scale, ("none", "std_over_sqrt_dt"), "training.loss_scale")
+    if t.loss_scale == "std_over_sqrt_dt" and s.kind == "cps":
+        raise ConfigError("training.loss_scale std_over_sqrt_dt divides the SDE's s by "
+                          "sqrt(dt), which CPS does not have (its std is sigma_next sin(a pi/2)): "
+                          "set training.loss_scale: none or use an SDE sampling.kind")
     _positive(t.kl_reward, "training.kl_reward", allow_zero=True)
     if t.kl_reward > 0 and config.rewards.aggregation != "weighted_sum":
         raise ConfigError(f"training.kl_reward subtracts the KL from the total reward, which "
@@ -952,6 +978,14 @@ def validate(config: TrainConfig, num_processes: int = 1) -> None:
     if t.ema.every < 1:
         raise ConfigError(f"training.ema.every must be >= 1 optimiser steps (got {t.ema.every}); "
                           f"1 updates the EMA after every step")
+    from flowgrpo.ema import EMA_WARMUPS
+
+    _choice(t.ema.warmup, EMA_WARMUPS, "training.ema.warmup")
+    _positive(t.ema.updates_per_step, "training.ema.updates_per_step", allow_zero=True)
+    if t.ema.warmup == "updates" and t.ema.updates_per_step != 1:
+        raise ConfigError(f"training.ema.updates_per_step={t.ema.updates_per_step} repeats the "
+                          f"updates of warmup optimizer_steps (Flow-GRPO's); with warmup "
+                          f"updates set it to 1, or set training.ema.warmup: optimizer_steps")
     total = t.prompts_per_iteration * t.group_size
     if total % num_processes:
         raise ConfigError(

@@ -21,8 +21,9 @@ from flowgrpo.dtypes import parse_dtype
 from flowgrpo.eval_media import save_eval_media
 from flowgrpo.guards import check_guard_keys
 from flowgrpo.heldout import load_eval_rewards, score_eval_rewards
-from flowgrpo.losses import (check_weights, flow_kl, gated_kl, guard_log_ratio, guard_step_weights,
-                             policy_loss, rectification_weights, surrogate_stats)
+from flowgrpo.losses import (batch_mean_dt_weights, check_weights, flow_kl, gated_kl,
+                             guard_log_ratio, guard_step_weights, policy_loss,
+                             rectification_weights, std_over_sqrt_dt_weights, surrogate_stats)
 from flowgrpo.passk import family_mean_se, mean_and_se
 from flowgrpo.plans import make_plan, replay_steps_per_chunk, sample_trained_steps
 from flowgrpo.sde import anchor_std, shifted_linear_sigmas
@@ -71,20 +72,38 @@ def rollout_sigmas(config: TrainConfig, model) -> Tensor:
     return model.sigmas(s.num_steps)
 
 
-def replay_batches_per_process(config: TrainConfig, num_processes: int) -> int:
-    """Replay batches of one inner epoch on each process, before zero-variance groups are
-    skipped: rollout chunks (rows that share a plan, rollout_batch_size at a time) times the
-    trained steps of a trajectory. Plans shared by every group (full, window) chunk the process's
-    rows together; per-group plans (branch, one_step) chunk each group's rows on their own."""
+def rollout_chunks_per_process(config: TrainConfig, num_processes: int) -> int:
+    """Rollout chunks (rows that share a plan, rollout_batch_size at a time) of one iteration on
+    each process. Plans shared by every group (full, window) chunk the process's rows together;
+    per-group plans (branch, one_step) chunk each group's rows on their own."""
     import math
 
     t, s = config.training, config.sampling
     rows = t.prompts_per_iteration * t.group_size // num_processes
     if s.plan.kind in ("branch", "one_step") and rows % t.group_size == 0:
-        chunks = (rows // t.group_size) * math.ceil(t.group_size / s.rollout_batch_size)
-    else:
-        chunks = math.ceil(rows / s.rollout_batch_size)
-    return chunks * replay_steps_per_chunk(s.plan, s.num_steps)
+        return (rows // t.group_size) * math.ceil(t.group_size / s.rollout_batch_size)
+    return math.ceil(rows / s.rollout_batch_size)
+
+
+def replay_batches_per_process(config: TrainConfig, num_processes: int) -> int:
+    """Replay batches of one inner epoch on each process, before zero-variance groups are
+    skipped: rollout chunks times the trained steps of a trajectory."""
+    s = config.sampling
+    return rollout_chunks_per_process(config, num_processes) * \
+        replay_steps_per_chunk(s.plan, s.num_steps)
+
+
+def ema_updates_per_step(config: TrainConfig, num_processes: int) -> int:
+    """``training.ema.updates_per_step``, with 0 resolved to the rollout chunks per optimiser
+    step on each process (at least 1): Flow-GRPO updates its EMA after every sample batch, and a
+    sample batch of its loops is a rollout chunk here. 1 for policies without rollout chunks."""
+    t = config.training
+    if t.ema.updates_per_step > 0:
+        return t.ema.updates_per_step
+    if config.policy != "flow":
+        return 1
+    steps = max(t.optimizer_steps_per_epoch, 1)
+    return max(1, rollout_chunks_per_process(config, num_processes) // steps)
 
 
 def resolve_accumulation(config: TrainConfig, num_processes: int) -> None:
@@ -341,20 +360,33 @@ class FlowPolicy:
         """Per-row loss weights of each replay batch: GRPO-Guard's 1/dt and/or Flash-GRPO's kappa,
         normalised by their mean over the iteration's trained transitions on every process (a
         replay batch holds a single step, so normalising within it would make every weight 1;
-        a per-process mean would weigh the same step differently on different processes). Called
-        on every process (the mean is gathered)."""
+        a per-process mean would weigh the same step differently on different processes), times
+        the per-batch factors the anchors do not normalise (``training.dt_reweight_norm:
+        batch_mean``, ``training.loss_scale``). Called on every process (the mean is
+        gathered)."""
         t = self.config.training
-        raw = []
+        normalised = (t.dt_reweight and t.dt_reweight_norm == "iteration") or t.rectification
+        raw, absolute = [], []
         for replay in replays:
             weights = torch.ones_like(replay.logp_old)
-            if t.dt_reweight:
+            if t.dt_reweight and t.dt_reweight_norm == "iteration":
                 weights = weights * guard_step_weights(replay.sigmas, replay.sigmas_next,
                                                        normalize=False)
             if t.rectification:
                 weights = weights * rectification_weights(replay.sigmas, replay.sigmas_next,
                                                           replay.std, normalize=False)
             raw.append(weights)
-        if t.dt_reweight or t.rectification:
+            # Factors the anchors apply per batch, not normalised over the iteration.
+            factor = None
+            if t.dt_reweight and t.dt_reweight_norm == "batch_mean":
+                factor = batch_mean_dt_weights(replay.sigmas, replay.sigmas_next)
+            if t.loss_scale == "std_over_sqrt_dt":
+                scale = std_over_sqrt_dt_weights(
+                    anchor_std(self.config.sampling.kind, replay.std, replay.sigmas,
+                               replay.sigmas_next), replay.sigmas, replay.sigmas_next)
+                factor = scale if factor is None else factor * scale
+            absolute.append(factor)
+        if normalised:
             acc = self.accelerator
             local = torch.cat(raw) if raw else torch.zeros(0)
             totals = torch.tensor([float(local.double().sum()), float(local.numel())],
@@ -364,8 +396,9 @@ class FlowPolicy:
             if totals[1] > 0:
                 mean = (totals[0] / totals[1]).to(local.dtype)
                 raw = [w / mean.to(w.device) for w in raw]
-            if raw:
-                check_weights(torch.cat(raw))   # once here, so the loss skips it per replay batch
+        raw = [w if f is None else w * f.to(w.dtype) for w, f in zip(raw, absolute)]
+        if raw and (normalised or any(f is not None for f in absolute)):
+            check_weights(torch.cat(raw))   # once here, so the loss skips it per replay batch
         return raw
 
     def replay_condition(self, batch: RolloutBatch, replay):

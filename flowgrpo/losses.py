@@ -10,6 +10,8 @@ Flow transitions
     ``policy_loss``            PPO clipped surrogate with per-sample weights
     ``guard_log_ratio``        GRPO-Guard RatioNorm log-ratio
     ``guard_step_weights``     GRPO-Guard 1/D gradient reweighting
+    ``batch_mean_dt_weights``  GRPO-Guard's released 1/mean_b(sqrt D)^2 loss scale
+    ``std_over_sqrt_dt_weights``  Flow-GRPO's Wan loss scale mean_b(s) / mean_b(sqrt D)
     ``rectification_weights``  Flash-GRPO temporal rectification kappa
     ``flow_kl``                KL to the reference policy per dim
     ``gated_kl``               the KL's mean over the rows a gate lets in (GARDO)
@@ -296,6 +298,40 @@ def rectification_weights(sigma: Tensor, sigma_next: Tensor, std: Tensor, *, nor
     grad_magnitude = step.sqrt() / noise_scale + noise_scale * step.sqrt() * (1 - sigma) / (2 * sigma)
     kappa = 1.0 / grad_magnitude
     return kappa / kappa.mean() if normalize else kappa
+
+
+def batch_mean_dt_weights(sigma: Tensor, sigma_next: Tensor) -> Tensor:
+    """GRPO-Guard's released gradient reweighting, (B,): every row of the batch gets
+    1 / mean_b(sqrt(D))^2, D = sigma - sigma_next (its loss divides the batch's policy loss by
+    ``sqrt_dt.mean() ** 2``). Not normalised: on a batch of one step this is 1/D, the absolute
+    scale ``guard_step_weights`` normalises away.
+
+    Args:
+        sigma, sigma_next: (B,) noise levels of each row's trained step, sigma_next < sigma.
+    """
+    _check_sigmas(sigma, sigma_next)
+    dtype = _compute_dtype(sigma, sigma_next)
+    root = (sigma.to(dtype) - sigma_next.to(dtype)).sqrt()
+    return torch.full_like(root, 1.0) / root.mean().square()
+
+
+def std_over_sqrt_dt_weights(step_std: Tensor, sigma: Tensor, sigma_next: Tensor) -> Tensor:
+    """Flow-GRPO's Wan loss scale, (B,): every row of the batch gets
+    mean_b(s) / mean_b(sqrt(D)), s the step's ``std_dev_t`` without sqrt(dt) (``sde.anchor_std``)
+    and D = sigma - sigma_next (its Wan loop multiplies the batch's policy loss by
+    ``std_dev_t.mean() / sqrt_dt.mean()``). On a batch of one step this is S / D for the step's
+    total std S = s sqrt(D).
+
+    Args:
+        step_std: (B,) s of each row's step, > 0.
+        sigma, sigma_next: (B,) noise levels of each row's trained step, sigma_next < sigma.
+    """
+    _check_sigmas(sigma, sigma_next)
+    _check_shape(step_std, "step_std", tuple(sigma.shape), "(B,) like sigma")
+    dtype = _compute_dtype(sigma, sigma_next, step_std)
+    root = (sigma.to(dtype) - sigma_next.to(dtype)).sqrt()
+    scale = step_std.detach().to(dtype).mean() / root.mean()
+    return torch.full_like(root, 1.0) * scale
 
 
 def flow_kl(mean: Tensor, mean_ref: Tensor, std: Tensor) -> Tensor:

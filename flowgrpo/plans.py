@@ -10,8 +10,9 @@ Plan kinds (``PlanConfig.kind``):
 * ``full`` (Flow-GRPO, DanceGRPO): every step but the last is stochastic (the last step to
   sigma = 0 is deterministic); the first ``int(num_steps * train_fraction)`` stochastic steps are
   trained (Flow-GRPO: 0.99 of 10 -> 9), or that many drawn per (iteration, group) (``random``),
-  or per sample (``random_per_sample``, DanceGRPO's per-sample permutation; the group's plan then
-  lists every stochastic step as trained and ``sample_trained_steps`` gives each row its subset).
+  or int((num_steps - 1) * train_fraction) per sample (``random_per_sample``, DanceGRPO's
+  per-sample permutation and count; the group's plan then lists every stochastic step as
+  trained and ``sample_trained_steps`` gives each row its subset).
 * ``window`` (MixGRPO): a sliding window of ``window_size`` stochastic+trained steps; Euler before
   it, ``solver_after`` after it; the start moves by ``window_stride`` every ``shift_interval``
   iterations (``progressive``), after a number of iterations that decays with the position
@@ -52,6 +53,7 @@ __all__ = [
     "compress_schedule",
     "compressed_steps",
     "sample_trained_steps",
+    "dance_count",
     "replay_steps_per_chunk",
     "plan_seed",
 ]
@@ -182,7 +184,8 @@ class PlanConfig:
         "one_step (Flash-GRPO)."))
     train_fraction: float = field(default=1.0, metadata=_help(
         "full: train int(num_steps * train_fraction) of the num_steps - 1 stochastic steps "
-        "(Flow-GRPO 0.99 -> 9 of 10; DanceGRPO 0.6)."))
+        "(Flow-GRPO 0.99 -> 9 of 10); with train_select random_per_sample, DanceGRPO's "
+        "int((num_steps - 1) * train_fraction) a sample (0.6 of 10 -> 5)."))
     train_select: str = field(default="first", metadata=_help(
         "full: 'first' trains the first ones in order (Flow-GRPO); 'random' draws them per "
         "(iteration, group), so the members of a group train the same steps; "
@@ -253,6 +256,12 @@ class PlanConfig:
             raise ValueError(f"{prefix}train_fraction={self.train_fraction} trains "
                              f"int({num_steps} * {self.train_fraction}) = 0 steps; use at least "
                              f"{1 / num_steps:.4g}")
+        if self.kind == "full" and self.train_select == "random_per_sample" and \
+                dance_count(self, num_steps) < 1:
+            raise ValueError(f"{prefix}train_fraction={self.train_fraction} with train_select "
+                             f"random_per_sample trains int(({num_steps} - 1) * "
+                             f"{self.train_fraction}) = 0 steps a sample (DanceGRPO's count); use "
+                             f"at least {1 / (num_steps - 1):.4g}")
         _int_at_least(self.window_size, 1, prefix + "window_size")
         _int_at_least(self.window_stride, 0, prefix + "window_stride")
         _int_at_least(self.shift_interval, 1, prefix + "shift_interval")
@@ -526,14 +535,23 @@ def make_plan(config: PlanConfig, base_sigmas: Tensor, iteration: int, group_id:
     return PLAN_BUILDERS[config.kind](config, sigmas, iteration, group_id, seed, time_shift)
 
 
+def dance_count(config: PlanConfig, num_steps: int) -> int:
+    """Steps each sample trains under ``train_select: random_per_sample``: DanceGRPO's
+    int((num_steps - 1) * train_fraction), the fraction of its num_steps - 1 stochastic steps
+    (its loops permute the timesteps without the last and train the first
+    int(len * timestep_fraction)). The other selects train int(num_steps * train_fraction),
+    Flow-GRPO's count (0.99 of 10 -> 9)."""
+    return int((num_steps - 1) * config.train_fraction)
+
+
 def sample_trained_steps(config: PlanConfig, plan: StepPlan, iteration: int, sample_id: int,
                          seed: int) -> tuple[int, ...]:
     """The steps of ``plan`` that sample ``sample_id`` trains: ``plan.trained``, except for
-    ``train_select: random_per_sample`` (DanceGRPO), where int(num_steps * train_fraction) of the
-    plan's stochastic steps are drawn per (iteration, sample)."""
+    ``train_select: random_per_sample`` (DanceGRPO), where ``dance_count`` of the plan's
+    stochastic steps are drawn per (iteration, sample)."""
     if config.kind != "full" or config.train_select != "random_per_sample":
         return plan.trained
-    count = _full_count(config, plan.num_steps)
+    count = dance_count(config, plan.num_steps)
     order = torch.randperm(len(plan.stochastic),
                            generator=_generator(seed, iteration, sample_id, "full_sample"))
     return tuple(sorted(plan.stochastic[i] for i in order[:count].tolist()))

@@ -45,7 +45,11 @@ def load_prompts(source: str) -> list[dict]:
             raise InputError(f"prompt file {source}: {suffix or 'no suffix'} is not a prompt "
                              f"format; {_FORMATS}")
         if not path.is_file():
-            raise InputError(f"prompt file {source} does not exist ({_FORMATS})")
+            from flowgrpo.prompt_sets import missing_hint
+
+            hint = missing_hint(path)
+            raise InputError(f"prompt file {source} does not exist"
+                             + (hint if hint else f" ({_FORMATS})"))
         lines = path.read_text().splitlines()
         if suffix == ".jsonl":
             records = [_jsonl_record(line, f"{source}:{number}", path.parent)

@@ -16,8 +16,12 @@ changes is size and place:
 - rewards whose weights come from the hub (PickScore, CLIP score, aesthetic, temporal
   consistency), in ``rewards.components`` and in the held-out ``eval.rewards`` alike, load a tiny
   random CLIP (and aesthetic head) saved in the same layout (``reward_models.tiny``): the same
-  reward class and code path, meaningless scores. Other rewards (OCR's packaged ONNX models,
-  JPEG, the toy verifier, toy_artifacts) run as they are.
+  reward class and code path, meaningless scores. Rewards computed by servers (``remote``) are
+  scored by JPEG compressibility under their label and weight (there is no server). Other rewards
+  (OCR's packaged ONNX models, JPEG, the toy verifier, toy_artifacts) run as they are;
+- the recipe's prompt set when it is fetched (a tiny run draws a few of its prompts), else the
+  set's small shipped stand-in (``flowgrpo.prompt_sets``: the illustrative files in
+  ``assets/prompts/``, the toy world's edits for editing recipes).
 
 The CLI also sets ``ACCELERATE_USE_CPU`` so a GPU machine trains the tiny run on its CPU too.
 Overrides on the command line apply after the tiny settings, so any of them can be changed back.
@@ -139,6 +143,9 @@ def _aesthetic_reward(options: dict, root) -> dict:
 # reward name -> options with its hub weights replaced by tiny random builds of the same layout
 TINY_REWARDS = {"pickscore": _pickscore_reward, "clip_score": _clip_reward,
                 "aesthetic": _aesthetic_reward, "temporal_consistency": _clip_reward}
+# Rewards computed by servers (``remote``) have no server in a tiny run: each is scored by this
+# local reward instead, under the same label and weight.
+TINY_REMOTE_STAND_IN = "jpeg_compressibility"
 
 
 def _tiny_rewards(components: list, root) -> list:
@@ -148,7 +155,28 @@ def _tiny_rewards(components: list, root) -> list:
         name = spec.get("name")
         if name in TINY_REWARDS:
             spec["options"] = TINY_REWARDS[name](dict(spec.get("options") or {}), root)
+        elif name == "remote":
+            label = (spec.get("options") or {}).get("label")
+            spec = {"name": TINY_REMOTE_STAND_IN, "weight": spec.get("weight", 1.0),
+                    "options": {"label": label} if label else {}}
         out.append(spec)
+    return out
+
+
+def _tiny_prompts(raw: dict) -> dict:
+    """``prompts.train`` / ``prompts.eval`` of a recipe whose anchor prompt set is not fetched:
+    the set's shipped stand-ins (``flowgrpo.prompt_sets``), so a tiny run works offline on a
+    fresh clone. A fetched set is used as it is (a tiny run draws a few of its prompts)."""
+    from flowgrpo.prompt_sets import example_for
+
+    out = {}
+    for key in ("train", "eval"):
+        source = _get(raw, f"prompts.{key}")
+        if isinstance(source, str) and not source.startswith("toy:") and \
+                not Path(source).is_file():
+            example = example_for(source, key)
+            if example is not None:
+                out[key] = example
     return out
 
 
@@ -185,7 +213,8 @@ def tiny_patch(raw: dict, root: str | os.PathLike | None = None) -> dict:
     patch: dict[str, Any] = {
         "name": f"{name}_tiny",
         "model": model,
-        "prompts": {"num_eval": TINY_EVAL_PROMPTS, "eval_seeds": 1, "eval_per_family": 0},
+        "prompts": {"num_eval": TINY_EVAL_PROMPTS, "eval_seeds": 1, "eval_per_family": 0,
+                    **_tiny_prompts(raw)},
         "sampling": {"rollout_batch_size": TINY_ROLLOUT_BATCH, "eval_num_steps": num_steps},
         "training": {"prompts_per_iteration": TINY_PROMPTS, "group_size": TINY_GROUP_SIZE,
                      "mixed_precision": "no", "use_8bit_adam": False},

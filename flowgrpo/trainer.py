@@ -121,6 +121,12 @@ class Trainer:
         self._opened_with: tuple[str | None, bool] | None = None
         self._lock = ckpt.RunLock(self.run_dir)
 
+        if config.policy == "flow" and model is None:
+            # A model that cannot be loaded (offline, gated, wrong id, incomplete folder) fails
+            # first, with one message, before prompts, rewards or weights load.
+            from pipelines import check_model_source
+
+            check_model_source(config.model.family, config.model.path)
         # Cheap things first: a bad prompt file or reward name fails before the model loads
         # (and before --overwrite empties the run folder).
         self.train_records = load_prompts(config.prompts.train)
@@ -146,7 +152,13 @@ class Trainer:
             self.policy = load_policy_class(config.policy)(config, self.accelerator,
                                                            self.train_records, model=model)
             self.trainable = self.policy.trainable
-            self.ema = EMA(self.trainable, t.ema.decay, t.ema.every) if t.ema.enabled else None
+            updates = t.ema.updates_per_step or 1
+            if config.policy == "flow":       # 0 = the rollout chunks per step (flow_policy)
+                from flowgrpo.flow_policy import ema_updates_per_step
+
+                updates = ema_updates_per_step(config, self.accelerator.num_processes)
+            self.ema = EMA(self.trainable, t.ema.decay, t.ema.every, warmup=t.ema.warmup,
+                           updates_per_step=updates) if t.ema.enabled else None
             if getattr(getattr(self.policy, "model", None), "may_skip_parameters", False):
                 # Some forwards leave trainable parameters without a gradient (the other expert
                 # of Wan2.2): without this DDP stops at the second backward.

@@ -55,6 +55,19 @@ def options_class(family: str) -> type:
     return _import(MODEL_OPTIONS[family])
 
 
+def check_model_source(family: str, path_or_hub_id: str | os.PathLike,
+                       field: str = "model.path") -> None:
+    """One clear ``InputError`` (the model, the likely cause, the fix) when ``family``'s model
+    cannot be loaded from ``path_or_hub_id``, before any weights are read
+    (``pipelines.base.check_model_source``); the toy family's folders are checked by its loader."""
+    model_class(family)            # an unknown family names the known ones
+    if family == "toy":
+        return
+    from pipelines.base import check_model_source as check
+
+    check(path_or_hub_id, family, field)
+
+
 def load_model(family: str, path_or_hub_id: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu", options: dict | None = None) -> FlowModel:
     """Load a ``family`` model from a local diffusers folder or a hub id.
@@ -70,5 +83,5 @@ def load_model(family: str, path_or_hub_id: str | os.PathLike, *, dtype: torch.d
     return cls.from_pretrained(os.fspath(path_or_hub_id), dtype=dtype, device=device, options=options)
 
 
-__all__ = ["Conditioning", "FlowModel", "MODEL_FAMILIES", "MODEL_OPTIONS", "load_model", "model_class",
-           "options_class"]
+__all__ = ["Conditioning", "FlowModel", "MODEL_FAMILIES", "MODEL_OPTIONS", "check_model_source",
+           "load_model", "model_class", "options_class"]

@@ -170,6 +170,60 @@ def check_pipeline_folder(path_or_hub_id: str, required: Mapping[str, str], fami
                          "(as written by the pipeline's save_pretrained)")
 
 
+def _component_file(class_name: str) -> str | None:
+    """The file a saved component's subfolder must hold, from its class name (None: any)."""
+    if class_name.endswith("Scheduler"):
+        return "scheduler_config.json"
+    if "Tokenizer" in class_name:
+        return "tokenizer_config.json"
+    if "Processor" in class_name or "FeatureExtractor" in class_name:
+        return None
+    return "config.json"
+
+
+def check_model_source(path_or_hub_id: str | os.PathLike, family: str,
+                       field: str = "model.path") -> None:
+    """Fail with one message naming the model, the likely cause and the fix when a diffusers
+    pipeline cannot be loaded from ``path_or_hub_id``: a local folder that does not exist, has
+    no model_index.json or lacks a component's config (an incomplete download), or a hub id
+    whose model_index.json cannot be read (offline without a cached copy, a gated repository
+    without an accepted license and login, a wrong id; ``flowgrpo.hub``). Reads no weights, so a
+    trainer calls it before anything else loads. Raises ``InputError``."""
+    from flowgrpo.config import InputError
+    from flowgrpo.hub import require_hub_file
+
+    source = os.fspath(path_or_hub_id)
+    what = f"a diffusers pipeline of family {family!r}"
+    if not is_local_path(source):
+        require_hub_file(source, "model_index.json", what=what, field=field)
+        return
+    folder = os.path.expanduser(source)
+    fetch = ("download it with `huggingface-cli download <hub id> --local-dir "
+             f"{source}` (or save a pipeline there with pipe.save_pretrained), or set {field} to "
+             f"the hub id")
+    if not os.path.isdir(folder):
+        raise InputError(f"{field}: {source!r} does not exist and is not a hub id 'owner/name': "
+                         f"give the folder of {what} or its hub id")
+    index = read_model_index(folder)
+    if not index:
+        raise InputError(f"{field}: {source!r} is not a diffusers pipeline folder (it has no "
+                         f"model_index.json): {fetch}")
+    missing = []
+    for name, spec in index.items():
+        if name.startswith("_") or not isinstance(spec, list) or len(spec) != 2 or \
+                spec[0] is None or spec[1] is None:
+            continue
+        sub = os.path.join(folder, name)
+        required = _component_file(str(spec[1]))
+        if not os.path.isdir(sub):
+            missing.append(f"{name}/{required or ''}")
+        elif required is not None and not os.path.isfile(os.path.join(sub, required)):
+            missing.append(f"{name}/{required}")
+    if missing:
+        raise InputError(f"{field}: the pipeline folder {source!r} is incomplete, it lacks "
+                         f"{', '.join(missing)} (an interrupted or partial download): {fetch}")
+
+
 def read_model_index(path_or_hub_id: str) -> dict:
     """model_index.json of a local folder ({} for a hub id, whose index is not downloaded here)."""
     index = os.path.join(os.path.expanduser(path_or_hub_id), "model_index.json")

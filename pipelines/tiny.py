@@ -31,7 +31,7 @@ import string
 
 import torch
 
-TINY_FAMILIES = ("sd3", "flux", "wan", "wan22", "qwen_image")
+TINY_FAMILIES = ("sd3", "flux", "flux_kontext", "wan", "wan22", "qwen_image")
 
 # Sizes the tests use with the tiny folders (divisible by 16 = VAE factor 8 x patch size 2).
 TINY_HEIGHT = 32

@@ -62,9 +62,10 @@ def resolve_weights_file(spec: str) -> str:
     if not sep or "/" not in repo_id:
         raise FileNotFoundError(f"head file {spec!r} not found; give a local path or "
                                 f"'owner/repo:filename' on the Hugging Face hub")
-    from huggingface_hub import hf_hub_download
+    from flowgrpo.hub import require_hub_file
 
-    return hf_hub_download(repo_id, filename)
+    return require_hub_file(repo_id, filename, what="an aesthetic head file",
+                            field="the reward option 'head'")
 
 
 def load_aesthetic_head(path: str) -> AestheticHead:

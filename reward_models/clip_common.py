@@ -9,6 +9,7 @@
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -164,6 +165,15 @@ class ClipEncoder:
     def _load_transformers(self, model: str, processor: str) -> None:
         from transformers import AutoImageProcessor, AutoTokenizer, CLIPModel
 
+        from flowgrpo.hub import require_hub_file
+
+        # Hub weights that cannot be had fail here with one message (id, cause, fix) instead of
+        # a traceback from inside from_pretrained.
+        for source, filename, option in ((model, "config.json", "model"),
+                                         (processor, "preprocessor_config.json", "processor")):
+            if not os.path.isdir(os.path.expanduser(source)):
+                require_hub_file(source, filename, what="a transformers CLIP checkpoint",
+                                 field=f"the reward option {option!r}")
         clip = CLIPModel.from_pretrained(model)
         self.model = clip.eval().requires_grad_(False).to(device=self.device, dtype=self.dtype)
         self.preprocess = ClipPreprocess.from_image_processor(

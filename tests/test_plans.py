@@ -548,7 +548,7 @@ def test_first_post_window_dpm_step_is_second_order_when_seeded():
 
 def test_dance_grpo_per_sample_trained_steps_split_the_call_and_keep_the_trajectory():
     """train_select random_per_sample (DanceGRPO's per-sample permutation): each sample trains its
-    own int(N fraction) steps; a step's call is split into the rows that train it and the others,
+    own int((N - 1) fraction) steps; a step's call is split into the rows that train it and the others,
     each replay batch holds exactly the rows that train its step, and the trajectory is the one an
     unsplit call gives."""
     from flowgrpo.rollout import run_plan
@@ -558,7 +558,7 @@ def test_dance_grpo_per_sample_trained_steps_split_the_call_and_keep_the_traject
     plan = make_plan(config, base, 4, 0, 7)
     assert plan.trained == plan.stochastic == tuple(range(9))
     subsets = [sample_trained_steps(config, plan, 4, sid, 7) for sid in range(6)]
-    assert all(len(steps) == 6 and set(steps) <= set(plan.stochastic) for steps in subsets)
+    assert all(len(steps) == 5 and set(steps) <= set(plan.stochastic) for steps in subsets)
     assert len(set(subsets)) > 1                                      # per sample, not per group
     assert subsets[2] == sample_trained_steps(config, plan, 4, 2, 7)   # a pure function
     assert subsets[2] != sample_trained_steps(config, plan, 5, 2, 7)
@@ -579,6 +579,6 @@ def test_dance_grpo_per_sample_trained_steps_split_the_call_and_keep_the_traject
         reference = next(b for b in whole_replay if b.step == batch.step)
         torch.testing.assert_close(batch.logp_old, reference.logp_old[batch.rows], rtol=0,
                                    atol=1e-6)
-    assert sum(len(b.rows) for b in replay) == 6 * 6
+    assert sum(len(b.rows) for b in replay) == 6 * 5
     assert len(split_model.calls) > len(whole_model.calls)           # mixed steps were split
 
