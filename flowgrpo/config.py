@@ -265,6 +265,19 @@ class TrainingConfig:
                                     default=None)
     kl_beta: float = _help("Weight of the KL to the reference (LoRA disabled). 0.04 GenEval/OCR.",
                            default=0.0)
+    anchor_beta: float = _help(
+        "Untrained-step anchoring (0 = off): add anchor_beta * mean_d (v - v_ref)^2, the squared "
+        "velocity difference to the KL reference (LoRA disabled, or the frozen initial model), at "
+        "training.anchor_steps untrained steps of every rollout chunk, drawn afresh each "
+        "iteration. A plan that trains a few steps (Fast branch, MixGRPO window, Flash one step) "
+        "leaves the other steps free to drift as a side effect of the shared weights; on the toy "
+        "the tinted canvas and textured objects that RL leaves come from the last, untrained "
+        "steps (docs/reward_hacking.md). Costs one forward and backward of the policy and one "
+        "forward of the reference per anchored step.", default=0.0)
+    anchor_steps: int = _help(
+        "Untrained steps per rollout chunk that training.anchor_beta anchors, drawn uniformly "
+        "without replacement among the chunk's untrained steps (seeded by seed, iteration and "
+        "chunk).", default=1)
     kl_convention: str = _help(
         "What the KL divides by: 'exact' (the step's total std: the Gaussian KL per dim) or "
         "'flow_grpo' (the anchor's std_dev_t, s without sqrt(dt): Flow-GRPO's formula, the exact "
@@ -943,6 +956,11 @@ def validate(config: TrainConfig, num_processes: int = 1) -> None:
     if t.clip_high is not None:
         _positive(t.clip_high, "training.clip_high")
     _positive(t.kl_beta, "training.kl_beta", allow_zero=True)
+    _positive(t.anchor_beta, "training.anchor_beta", allow_zero=True)
+    _positive(t.anchor_steps, "training.anchor_steps")
+    if t.anchor_beta > 0 and config.policy != "flow":
+        raise ConfigError("training.anchor_beta anchors denoising steps of a flow policy; set it "
+                          "to 0 for policy: llm")
     _choice(t.kl_convention, choices["training.kl_convention"], "training.kl_convention")
     _choice(t.dt_reweight_norm, ("iteration", "batch_mean"), "training.dt_reweight_norm")
     _choice(t.loss_scale, ("none", "std_over_sqrt_dt"), "training.loss_scale")
