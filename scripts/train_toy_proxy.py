@@ -174,8 +174,8 @@ def augment(images: torch.Tensor, records: list[dict], copies: int, near_miss_sh
 
 
 def rendered(records: list[dict], count: int, seed: int) -> tuple[torch.Tensor, list[dict]]:
-    """``count`` rendered scenes of ``records`` (cycled): even i the prompt's own scene, odd i
-    a near miss of it, paired with the prompt."""
+    """``count`` rendered scenes of prompts drawn from ``records``: even i the prompt's own
+    scene, odd i a near miss of it, each paired with the drawn prompt."""
     rng = np.random.default_rng(seed)
     images, chosen = [], []
     for i in range(count):
@@ -253,24 +253,18 @@ def main(argv: list[str] | None = None) -> dict:
     began = time.process_time()
     fit_images, fit_records = data["train_images"], list(data["train_records"])
     fit_labels = data["train_labels"]
+    verifier = GenevalToyReward(score="exact")
+    extras = []
     if args.augment:
-        extra_images, extra_records = augment(fit_images, fit_records, args.augment,
-                                              args.near_miss, args.seed, args.photometric)
-        extra_labels = GenevalToyReward(score="exact")(
-            extra_images, [r["prompt"] for r in extra_records],
-            [r["metadata"] for r in extra_records])
-        fit_images = torch.cat([fit_images, extra_images])
-        fit_records += extra_records
-        fit_labels = torch.cat([fit_labels, extra_labels])
+        extras.append(augment(fit_images, fit_records, args.augment, args.near_miss, args.seed,
+                              args.photometric))
     if args.renders:
-        render_images, render_records = rendered(fit_records[:len(data["train_labels"])],
-                                                 args.renders, args.seed)
-        render_labels = GenevalToyReward(score="exact")(
-            render_images, [r["prompt"] for r in render_records],
-            [r["metadata"] for r in render_records])
-        fit_images = torch.cat([fit_images, render_images])
-        fit_records += render_records
-        fit_labels = torch.cat([fit_labels, render_labels])
+        extras.append(rendered(fit_records, args.renders, args.seed))
+    for images, records in extras:       # each labelled by the verifier
+        labels = verifier(images, [r["prompt"] for r in records], [r["metadata"] for r in records])
+        fit_images = torch.cat([fit_images, images])
+        fit_records += records
+        fit_labels = torch.cat([fit_labels, labels])
     augmented = time.process_time() - began
     feats = {"train": torch.stack([prompt_features(r["metadata"]) for r in fit_records]),
              "heldout": torch.stack([prompt_features(r["metadata"])
