@@ -94,8 +94,13 @@ def curve_series(records: list[dict], directions: dict[str, bool], heldout=(),
     average = Series(f"moving average ({window})", xs, moving_average(raw, window))
     panels = []
     heldout = set(heldout)
+    drawn: set[tuple] = set()
     for key in metric_keys(evals):
         points = [r for r in evals if key in r]
+        values = tuple((r["iteration"], r[key]) for r in points)
+        if values in drawn:   # a component equal to its reward's main score (e.g. x.mean)
+            continue
+        drawn.add(values)
         name = key[len("eval/"):]
         own = metric_reward_key(key) in heldout
         direction = "higher" if metric_higher_is_better(key, directions) else "lower"
