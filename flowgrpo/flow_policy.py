@@ -259,7 +259,8 @@ class FlowPolicy:
                                share_initial_noise=s.share_initial_noise, seed=self.config.run.seed,
                                iteration=iteration, log_prob=s.log_prob, schedule_bounds=bounds,
                                anchor_steps=(self.config.training.anchor_steps
-                                             if self.config.training.anchor_beta > 0 else 0))
+                                             if self.config.training.anchor_beta > 0 else 0),
+                               anchor_sigma_max=self.config.training.anchor_sigma_max)
 
     def time_shift(self) -> float | None:
         """The static shift of the rollout schedule when it is shift(t) of a linear t grid

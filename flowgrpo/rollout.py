@@ -99,6 +99,7 @@ class RolloutSettings:
     log_prob: str = "exact"            # sde.LOG_PROBS
     schedule_bounds: tuple[float, float] | None = None   # (sigmas[1], sigmas[-1]): flash_sde
     anchor_steps: int = 0              # untrained steps kept per chunk (training.anchor_beta)
+    anchor_sigma_max: float = 1.0      # ... among those with sigma <= this
 
 
 def encode_rows(model: FlowModel, prompts: list[str], images: list[Tensor] | None = None
@@ -249,10 +250,13 @@ def run_plan(model: FlowModel, plan: StepPlan, latents: Tensor, cond: Conditioni
 
 def choose_anchor_steps(plan: StepPlan, first_step: int, count: int, settings: RolloutSettings,
                         chunk_key: int) -> list[int]:
-    """``count`` of the plan's untrained steps in [first_step, num_steps), drawn uniformly
-    without replacement by (seed, iteration, "anchor", chunk_key): the steps whose states
-    ``training.anchor_beta`` anchors. Fewer when fewer are untrained."""
-    candidates = [i for i in range(first_step, plan.num_steps) if i not in set(plan.trained)]
+    """``count`` of the plan's untrained steps in [first_step, num_steps) whose sigma is at most
+    ``settings.anchor_sigma_max``, drawn uniformly without replacement by (seed, iteration,
+    "anchor", chunk_key): the steps whose states ``training.anchor_beta`` anchors. Fewer when
+    fewer qualify."""
+    trained = set(plan.trained)
+    candidates = [i for i in range(first_step, plan.num_steps) if i not in trained
+                  and float(plan.sigmas[i]) <= settings.anchor_sigma_max + 1e-6]
     if count <= 0 or not candidates:
         return []
     generator = seeded_generator(settings.seed, settings.iteration, "anchor", chunk_key)

@@ -31,9 +31,10 @@ def _plan(trained: tuple[int, ...], num_steps: int = 8) -> StepPlan:
     return StepPlan(sigmas=sigmas, stochastic=trained, trained=trained)
 
 
-def _settings(iteration: int = 0, seed: int = 0) -> RolloutSettings:
+def _settings(iteration: int = 0, seed: int = 0, sigma_max: float = 1.0) -> RolloutSettings:
     return RolloutSettings(kind="flow_sde", noise_level=0.7, guidance_scale=1.0, batch_size=4,
-                           share_initial_noise=False, seed=seed, iteration=iteration)
+                           share_initial_noise=False, seed=seed, iteration=iteration,
+                           anchor_sigma_max=sigma_max)
 
 
 def test_anchor_steps_are_untrained_distinct_and_seeded():
@@ -50,6 +51,9 @@ def test_anchor_steps_are_untrained_distinct_and_seeded():
     assert choose_anchor_steps(plan, 0, 0, _settings(), 0) == []
     draws = {tuple(choose_anchor_steps(plan, 0, 1, _settings(iteration=i), 0)) for i in range(30)}
     assert len(draws) > 1                       # drawn afresh each iteration
+    # sigmas 1, 0.875, ..., 0.125 at steps 0..7: sigma <= 0.4 leaves steps 5, 6, 7
+    low = {s for k in range(20) for s in choose_anchor_steps(plan, 0, 2, _settings(sigma_max=0.4), k)}
+    assert low == {5, 6, 7}
 
 
 def test_anchor_config_errors_name_the_field(tiny_sd3_path, tmp_path):
@@ -57,6 +61,8 @@ def test_anchor_config_errors_name_the_field(tiny_sd3_path, tmp_path):
         tiny_config(tiny_sd3_path, tmp_path, "training.anchor_beta=-1")
     with pytest.raises(ConfigError, match="training.anchor_steps"):
         tiny_config(tiny_sd3_path, tmp_path, "training.anchor_steps=0")
+    with pytest.raises(ConfigError, match="training.anchor_sigma_max"):
+        tiny_config(tiny_sd3_path, tmp_path, "training.anchor_sigma_max=0")
 
 
 def _anchor_gap(trainer, iteration: int = 5) -> float:
