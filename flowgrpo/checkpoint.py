@@ -46,7 +46,7 @@ from typing import Any, Callable
 import torch
 from safetensors.torch import load_file, save_file
 
-from flowgrpo.config import InputError
+from flowgrpo.errors import InputError
 
 MARKER = "COMPLETE.json"
 STATE = "trainer_state.json"
@@ -614,7 +614,7 @@ class RunLock:
 
     def acquire(self) -> None:
         try:
-            import fcntl
+            import fcntl   # POSIX only
         except ImportError:     # not POSIX: no advisory locks to take
             self.note = "no file locks on this platform: the run folder is not locked"
             return

@@ -7,6 +7,8 @@ normalisation and step weights, Flash-GRPO's rectification and the KL to the ref
 """
 from __future__ import annotations
 
+import dataclasses
+import math
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
@@ -14,12 +16,14 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
+from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from flowgrpo.config import TrainConfig
+from flowgrpo import grids
+from flowgrpo.config import TrainConfig, eval_noise_seed, reward_output_keys
 from flowgrpo.dtypes import parse_dtype
 from flowgrpo.eval_media import save_eval_media
-from flowgrpo.guards import check_guard_keys
+from flowgrpo.guards import check_gate_keys, check_guard_keys
 from flowgrpo.heldout import load_eval_rewards, score_eval_rewards
 from flowgrpo.losses import (batch_mean_dt_weights, check_weights, flow_kl, gated_kl,
                              guard_log_ratio, guard_step_weights, policy_loss,
@@ -32,8 +36,10 @@ from flowgrpo.policy import (Through, eval_share, float32_trainable, frozen_refe
 from flowgrpo.prompts import eval_selection, record_images, reward_metadata
 from flowgrpo.rollout import (RolloutBatch, RolloutSettings, encode_rows, eval_noise, replay_logp,
                               rollout, sample_ode)
-from pipelines import load_model
-from reward_models import MultiReward
+from pipelines import check_model_config, load_model
+from pipelines import check_model_source as check_family_source
+from reward_models import (MultiReward, available_rewards, check_reward_names,
+                           declared_components, load_reward)
 
 
 def _mean(values: list[float]) -> float:
@@ -47,8 +53,6 @@ KL_REWARD_KEY = "kl_to_reference"
 def _replay_rows(replay, keep: Tensor):
     """The replay batch restricted to its rows ``keep`` (local indices, (b',)): every per-row
     tensor of it and of its step Gaussian indexed, the step and the constants kept."""
-    import dataclasses
-
     def pick(value):
         if isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] == count:
             return value.index_select(0, keep.to(value.device))
@@ -76,8 +80,6 @@ def rollout_chunks_per_process(config: TrainConfig, num_processes: int) -> int:
     """Rollout chunks (rows that share a plan, rollout_batch_size at a time) of one iteration on
     each process. Plans shared by every group (full, window) chunk the process's rows together;
     per-group plans (branch, one_step) chunk each group's rows on their own."""
-    import math
-
     t, s = config.training, config.sampling
     rows = t.prompts_per_iteration * t.group_size // num_processes
     if s.plan.kind in ("branch", "one_step") and rows % t.group_size == 0:
@@ -106,16 +108,15 @@ def ema_updates_per_step(config: TrainConfig, num_processes: int) -> int:
     return max(1, rollout_chunks_per_process(config, num_processes) // steps)
 
 
-def resolve_accumulation(config: TrainConfig, num_processes: int) -> None:
-    """``training.optimizer_steps_per_epoch`` > 0 sets ``gradient_accumulation_steps`` to
-    ceil(replay batches per process / steps), the same on every process (the trainer reads it
-    for each update)."""
-    import math
-
+def accumulation_steps(config: TrainConfig, num_processes: int) -> int:
+    """Replay batches per optimiser step on each process: ``training.optimizer_steps_per_epoch``
+    > 0 gives ceil(replay batches per process / steps), the same on every process; else
+    ``training.gradient_accumulation_steps`` (0: all of an inner epoch)."""
     t = config.training
     if t.optimizer_steps_per_epoch > 0:
         count = replay_batches_per_process(config, num_processes)
-        t.gradient_accumulation_steps = max(1, math.ceil(count / t.optimizer_steps_per_epoch))
+        return max(1, math.ceil(count / t.optimizer_steps_per_epoch))
+    return t.gradient_accumulation_steps
 
 
 def load_rewards(config: TrainConfig, device: torch.device):
@@ -129,6 +130,20 @@ def load_rewards(config: TrainConfig, device: torch.device):
 class FlowPolicy:
     """GRPO on a FlowModel. ``model`` is the FlowModel, ``module`` its transformer (what trains)."""
 
+    @staticmethod
+    def check_config(config: TrainConfig) -> None:
+        """At config load: the model family and its options (``pipelines``), the reward names
+        (``reward_models``) and the reward keys the KL gate names, as far as the config tells."""
+        check_model_config(config.model.family, config.model.options)
+        known = available_rewards()
+        check_reward_names(config.rewards.components, "rewards.components", known)
+        check_reward_names(config.eval.rewards, "eval.rewards", known)
+        check_gate_keys(config, reward_output_keys(config, declared_components))
+
+    @staticmethod
+    def check_model_source(config: TrainConfig) -> None:
+        check_family_source(config.model.family, config.model.path)
+
     def __init__(self, config: TrainConfig, accelerator: Accelerator, train_records: list[dict],
                  model=None) -> None:
         self.config = config
@@ -139,7 +154,10 @@ class FlowPolicy:
         # Held-out metrics load here too, on every process (each scores its share of the
         # evaluation rows): a bad option or missing weights fail now, not at the first
         # evaluation of a resumed run.
-        self.eval_reward = load_eval_rewards(config, accelerator.device, training=self.reward)
+        device = accelerator.device
+        self.eval_reward = load_eval_rewards(
+            config, device, lambda spec: load_reward(spec, device=device), MultiReward,
+            training=self.reward)
         m = config.model
         if model is None:
             model = load_model(m.family, m.path, dtype=parse_dtype(m.dtype), device=accelerator.device,
@@ -152,7 +170,8 @@ class FlowPolicy:
         # swapped in for the reference pass; None = the adapter disabled (the base model).
         self.reference_snapshot: dict[str, Tensor] | None = None
         self.base_sigmas = rollout_sigmas(config, model)
-        resolve_accumulation(config, accelerator.num_processes)
+        self.accumulation_steps = accumulation_steps(config, accelerator.num_processes)
+        self.ema_updates_per_step = ema_updates_per_step(config, accelerator.num_processes)
         self.engine_module: nn.Module = self.module
         self._cond_batch = None
 
@@ -164,7 +183,7 @@ class FlowPolicy:
         if not m.lora.enabled:
             self.module.requires_grad_(True)
             return {n: p for n, p in self.module.named_parameters() if p.requires_grad}
-        from peft import LoraConfig
+        from peft import LoraConfig   # peft takes seconds to import
 
         self.module.add_adapter(LoraConfig(
             r=m.lora.rank, lora_alpha=m.lora.alpha,
@@ -491,8 +510,6 @@ class FlowPolicy:
         """Initial noise of evaluation samples ``indices`` (an int n: samples 0..n-1), seeded by
         (eval seed, "eval", i) (``config.eval_noise_seed``: prompts.eval_seed, else run.seed): the
         same at every evaluation of the run and in ``flowgrpo eval``."""
-        from flowgrpo.config import eval_noise_seed
-
         indices = range(indices) if isinstance(indices, int) else indices
         return eval_noise(self.model, eval_noise_seed(self.config), indices)
 
@@ -561,8 +578,6 @@ class FlowPolicy:
     def save_grid_samples(self, records: list[dict], run_dir: Path, tag: str) -> None:
         """Deterministic samples of the grid prompts as ``grid_<tag>.safetensors`` (survives a
         resume, so the final grid compares with the run's true base)."""
-        from safetensors.torch import save_file
-
         if records:
             media = self._sample([r["prompt"] for r in records], range(len(records)),
                                  images=record_images(records))
@@ -573,10 +588,6 @@ class FlowPolicy:
         """``run_dir/comparison.png``: rows = held-out prompts, columns = base and final model from
         the same noise, each cell captioned with the verifier's verdict (PASS / FAIL for a reward
         whose scores are all 0 or 1) and the score of each reward."""
-        from safetensors.torch import load_file
-
-        from flowgrpo.grids import cell_caption, image_grid, verdict_keys, with_source_column
-
         base_path = run_dir / "grid_base.safetensors"
         if not base_path.is_file() or not records:
             return None
@@ -589,20 +600,20 @@ class FlowPolicy:
         metadata = reward_metadata(records)
         scores = [self.reward(m, prompts, metadata) for m in (base, final)]
         weights = self.reward.weights
-        verdicts = verdict_keys(scores, weights)
+        verdicts = grids.verdict_keys(scores, weights)
         images = torch.stack([base, final], dim=1)
-        labels = [[cell_caption(scores[c], weights, r, verdict=verdicts) for c in range(2)]
+        labels = [[grids.cell_caption(scores[c], weights, r, verdict=verdicts) for c in range(2)]
                   for r in range(len(records))]
         columns = ["base", final_label]
         sources = record_images(records)
         if sources is not None:
             # Editing: the source image is the first column, so each edit reads left to right.
-            images = with_source_column(images, sources)
+            images = grids.with_source_column(images, sources)
             labels = [["source"] + row for row in labels]
             columns = ["source"] + columns
         rows = [f"{r['prompt']}\n({r['metadata']['family']})" if r["metadata"].get("family")
                 else r["prompt"] for r in records]
-        grid = image_grid(images, row_labels=rows, col_labels=columns, cell_labels=labels)
+        grid = grids.image_grid(images, row_labels=rows, col_labels=columns, cell_labels=labels)
         path = run_dir / "comparison.png"
         grid.save(path)
         return path
@@ -611,7 +622,7 @@ class FlowPolicy:
     def save_weights(self, folder: str, state_dict: dict[str, Tensor] | None = None) -> None:
         """LoRA in the diffusers format (``pipe.load_lora_weights(folder)``), or the full
         transformer under ``folder/transformer`` (``from_pretrained``-loadable)."""
-        from peft import get_peft_model_state_dict
+        from peft import get_peft_model_state_dict   # peft takes seconds to import
 
         if self.config.model.lora.enabled:
             self.model.save_lora_weights(

@@ -23,19 +23,26 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedDataParallelKwargs, broadcast_object_list
+from safetensors.torch import load_file
 from torch import Tensor
+from tqdm.auto import tqdm
 
 from flowgrpo import checkpoint as ckpt
+from flowgrpo import curves
 from flowgrpo.advantages import (PER_COMPONENT, decoupled_advantages, diversity_weights,
                                  group_advantages, kl_gate_weights, mask_nonfinite,
                                  saturation_weights)
-from flowgrpo.config import (InputError, TrainConfig, dump_config, json_roundtrip, redact,
-                             resume_signature, to_dict, validate)
+from flowgrpo.config import (TrainConfig, dump_config, json_roundtrip, redact, resume_signature,
+                             to_dict, validate)
 from flowgrpo.ema import EMA
-from flowgrpo.guards import gate_uncertainty, load_feature_extractor, media_features
 from flowgrpo.engines import check_engine, engine_name, preflight_engine, replica_checksums
+from flowgrpo.errors import InputError
+from flowgrpo.eval_media import log_eval_media
+from flowgrpo.guards import gate_uncertainty, load_feature_extractor, media_features
 from flowgrpo.heldout import BestRecord, reward_directions, resolve_mode
-from flowgrpo.policy import gather_rows, load_policy_class
+from flowgrpo.policy import check_model_source, gather_rows, load_policy_class
 from flowgrpo.prompts import (PromptCurriculum, bucket_labels, comparison_prompts, load_prompts,
                               mixed_groups, sample_indices)
 from flowgrpo.run_log import append_record, eval_line, keep_records, read_records, summary_line
@@ -79,14 +86,11 @@ class Trainer:
         """``resume`` / ``overwrite`` as in ``train``. Given here (``overwrite`` not None, as the
         CLI does), the run folder is checked before the model loads, so a refused folder or a
         missing checkpoint costs nothing; left out, ``train`` checks it."""
-        from accelerate import Accelerator
-        from accelerate.utils import DistributedDataParallelKwargs
-
         self.config = config
         tracker = config.run.tracker
         if tracker == "tensorboard":
             try:
-                import tensorboard  # noqa: F401
+                import tensorboard  # noqa: F401  (optional: the test extra installs it)
             except ImportError:
                 tracker = "none"
         self.run_dir = Path(config.run.output_dir) / config.name
@@ -121,12 +125,10 @@ class Trainer:
         self._opened_with: tuple[str | None, bool] | None = None
         self._lock = ckpt.RunLock(self.run_dir)
 
-        if config.policy == "flow" and model is None:
+        if model is None:
             # A model that cannot be loaded (offline, gated, wrong id, incomplete folder) fails
             # first, with one message, before prompts, rewards or weights load.
-            from pipelines import check_model_source
-
-            check_model_source(config.model.family, config.model.path)
+            check_model_source(config)
         # Cheap things first: a bad prompt file or reward name fails before the model loads
         # (and before --overwrite empties the run folder).
         self.train_records = load_prompts(config.prompts.train)
@@ -152,18 +154,12 @@ class Trainer:
             self.policy = load_policy_class(config.policy)(config, self.accelerator,
                                                            self.train_records, model=model)
             self.trainable = self.policy.trainable
-            updates = t.ema.updates_per_step or 1
-            if config.policy == "flow":       # 0 = the rollout chunks per step (flow_policy)
-                from flowgrpo.flow_policy import ema_updates_per_step
-
-                updates = ema_updates_per_step(config, self.accelerator.num_processes)
             self.ema = EMA(self.trainable, t.ema.decay, t.ema.every, warmup=t.ema.warmup,
-                           updates_per_step=updates) if t.ema.enabled else None
+                           updates_per_step=self.policy.ema_updates_per_step
+                           ) if t.ema.enabled else None
             if getattr(getattr(self.policy, "model", None), "may_skip_parameters", False):
                 # Some forwards leave trainable parameters without a gradient (the other expert
                 # of Wan2.2): without this DDP stops at the second backward.
-                from accelerate.utils import DistributedDataParallelKwargs
-
                 handler = self.accelerator.ddp_handler or DistributedDataParallelKwargs()
                 handler.find_unused_parameters = True
                 self.accelerator.ddp_handler = handler
@@ -208,7 +204,7 @@ class Trainer:
         params = list(self.trainable.values())
         if t.use_8bit_adam:
             try:
-                import bitsandbytes as bnb
+                import bitsandbytes as bnb   # optional: the gpu extra
             except ImportError as err:
                 raise ImportError("training.use_8bit_adam needs bitsandbytes: pip install "
                                   "'flowgrpo[gpu]'") from err
@@ -242,8 +238,6 @@ class Trainer:
             except Exception as err:   # noqa: BLE001 (re-raised below, on every process)
                 error = err
         if acc.num_processes > 1:
-            from accelerate.utils import broadcast_object_list
-
             message = None if error is None else f"{type(error).__name__}: {error}"
             shared = broadcast_object_list([message, result if error is None else None,
                                             isinstance(error, InputError)], from_process=0)
@@ -427,8 +421,9 @@ class Trainer:
     def update(self, batch, advantages: Tensor, iteration: int) -> dict[str, float]:
         """num_inner_epochs passes over the rollout's replay batches, clipped-surrogate loss.
 
-        An optimiser step accumulates ``gradient_accumulation_steps`` replay batches (0: all of
-        an epoch). Every process runs the same number of backward passes per step
+        An optimiser step accumulates the policy's ``accumulation_steps`` replay batches (0: all
+        of an epoch; ``training.gradient_accumulation_steps``, or derived from
+        ``optimizer_steps_per_epoch``). Every process runs the same number of backward passes per step
         (``window_lengths``); one short of replay batches replays one of its own with weight 0.
         """
         t = self.config.training
@@ -438,7 +433,7 @@ class Trainer:
                    if not (t.skip_zero_std_groups and bool((advantages[r.rows] == 0).all()))]
         count = torch.tensor([len(replays)], device=acc.device)
         max_count = int(acc.gather(count).max()) if acc.num_processes > 1 else len(replays)
-        per_step = t.gradient_accumulation_steps or max(max_count, 1)
+        per_step = self.policy.accumulation_steps or max(max_count, 1)
         lengths = window_lengths(max_count, per_step)
         step_weights = self.policy.step_weights(replays)
         # Per replay batch only detached tensors are kept; the statistics are computed once over
@@ -767,8 +762,6 @@ class Trainer:
         at = state["reference_refreshed_at"]
         self.reference_refreshed_at = None if at is None else int(at)
         if at is not None:
-            from safetensors.torch import load_file
-
             if not (path / ckpt.REFERENCE).is_file():
                 raise InputError(f"checkpoint {path} says the KL reference was refreshed at "
                                  f"iteration {at} but has no {ckpt.REFERENCE}; resume from "
@@ -837,14 +830,9 @@ class Trainer:
     def report_evaluation(self, iteration: int, record: dict) -> None:
         """Main process: the evaluation's line on the console, ``curves.png`` redrawn from the
         whole metrics log, the evaluation samples to the tracker."""
-        from tqdm.auto import tqdm
-
-        from flowgrpo.curves import CURVES, write_curves
-        from flowgrpo.eval_media import log_eval_media
-
         tqdm.write(eval_line(iteration, record, self.directions, self.heldout_keys))
-        write_curves(read_records(self.run_dir / ckpt.METRICS), self.run_dir / CURVES,
-                     self.directions, self.heldout_keys)
+        curves.write_curves(read_records(self.run_dir / ckpt.METRICS),
+                            self.run_dir / curves.CURVES, self.directions, self.heldout_keys)
         if self.tracker != "none":
             log_eval_media(self.accelerator, self.tracker, self.run_dir / "samples", iteration)
 
@@ -863,8 +851,6 @@ class Trainer:
             self._lock.release()
 
     def _train(self) -> list[dict]:
-        from tqdm.auto import tqdm
-
         cfg = self.config
         self.accelerator.wait_for_everyone()
         if self._run["checkpoint"] is not None:

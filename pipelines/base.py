@@ -19,6 +19,8 @@ import torch
 from torch import Tensor
 
 from flowgrpo.dtypes import DTYPE_NAMES, parse_dtype
+from flowgrpo.errors import InputError
+from flowgrpo.hub import require_hub_file
 from flowgrpo.model import Conditioning
 
 
@@ -189,9 +191,6 @@ def check_model_source(path_or_hub_id: str | os.PathLike, family: str,
     whose model_index.json cannot be read (offline without a cached copy, a gated repository
     without an accepted license and login, a wrong id; ``flowgrpo.hub``). Reads no weights, so a
     trainer calls it before anything else loads. Raises ``InputError``."""
-    from flowgrpo.config import InputError
-    from flowgrpo.hub import require_hub_file
-
     source = os.fspath(path_or_hub_id)
     what = f"a diffusers pipeline of family {family!r}"
     if not is_local_path(source):
@@ -364,8 +363,7 @@ class DiffusersFlowModel:
     # ------------------------------------------------------------------------- setup
     def _configure(self) -> None:
         """Devices, training switches and memory options (called once by ``__init__``)."""
-        self.transformer.to(self.device).requires_grad_(False)
-        apply_attention_backend(self.transformer, self.options.attention_backend)
+        self.configure_transformer(self.transformer)
         for name in self.text_encoder_names:
             encoder = self.components.get(name)
             if encoder is not None:
@@ -378,6 +376,12 @@ class DiffusersFlowModel:
             vae.enable_slicing()
         if self.options.vae_tiling:
             vae.enable_tiling()
+
+    def configure_transformer(self, module: torch.nn.Module) -> None:
+        """A transformer this adapter runs (its own, or a full fine-tune swapped in for it): on
+        the device, frozen, with the options' attention backend."""
+        module.to(self.device).requires_grad_(False)
+        apply_attention_backend(module, self.options.attention_backend)
 
     @property
     def pipeline_class(self) -> type:

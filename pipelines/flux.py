@@ -92,6 +92,7 @@ class FluxModel(DiffusersFlowModel):
     """FLUX.1 adapter. Build with ``FluxModel.from_pretrained(path_or_hub_id, ...)``."""
 
     family = "flux"
+    options_class = FluxOptions
     pipeline_class_path = "diffusers:FluxPipeline"
     text_encoder_names = ("text_encoder", "text_encoder_2")
     has_real_cfg = False

@@ -91,6 +91,7 @@ class QwenImageModel(DiffusersFlowModel):
     """Qwen-Image adapter. Build with ``QwenImageModel.from_pretrained(path_or_hub_id, ...)``."""
 
     family = "qwen_image"
+    options_class = QwenImageOptions
     pipeline_class_path = "diffusers:QwenImagePipeline"
     text_encoder_names = ("text_encoder",)
     has_real_cfg = True

@@ -68,6 +68,7 @@ class SD3Model(DiffusersFlowModel):
     """SD3/SD3.5 adapter. Build with ``SD3Model.from_pretrained(path_or_hub_id, ...)``."""
 
     family = "sd3"
+    options_class = SD3Options
     pipeline_class_path = "diffusers:StableDiffusion3Pipeline"
     text_encoder_names = ("text_encoder", "text_encoder_2", "text_encoder_3")
     has_real_cfg = True

@@ -31,6 +31,7 @@ from torch import Tensor
 
 from flowgrpo.model import Conditioning, guided_velocity
 from flowgrpo.toyworld.grammar import VOCABULARY
+from pipelines.base import lora_adapter_metadata, parse_options
 
 TOY_CONFIG_NAME = "toy_config.json"
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[BOS]", "[EOS]")   # ids 0..3; EOS != 2 (CLIP's legacy pooling)
@@ -142,6 +143,7 @@ class ToyFlowModel:
     """FlowModel for the toy world (see module docstring). Sampling lives in ``flowgrpo.sde``."""
 
     family = "toy"
+    options_class = ToyOptions
     lora_target_modules = list(SD3_LORA_TARGET_MODULES)
 
     def __init__(self, transformer, text_encoder, tokenizer, defaults: ToySamplingDefaults,
@@ -168,12 +170,7 @@ class ToyFlowModel:
         if not os.path.isdir(path):
             raise ValueError(f"path must be a toy model folder (got {path!r}, which is not a directory); "
                              "create one with scripts/pretrain_toy.py")
-        if isinstance(options, dict):
-            unknown = set(options) - {f.name for f in fields(ToyOptions)}
-            if unknown:
-                raise ValueError(f"options has unknown fields {sorted(unknown)}; "
-                                 f"use {[f.name for f in fields(ToyOptions)]}")
-            options = ToyOptions(**options)
+        options = parse_options(ToyOptions, options, cls.family)
         transformer = SD3Transformer2DModel.from_pretrained(path, subfolder="transformer", torch_dtype=dtype)
         text_encoder = CLIPTextModelWithProjection.from_pretrained(path, subfolder="text_encoder",
                                                                    dtype=dtype)
@@ -186,6 +183,10 @@ class ToyFlowModel:
         transformer.to(device).eval().requires_grad_(False)
         text_encoder.to(device).eval().requires_grad_(False)
         return cls(transformer, text_encoder, tokenizer, defaults, options)
+
+    def configure_transformer(self, module: torch.nn.Module) -> None:
+        """A transformer this adapter runs (a full fine-tune swapped in): on the device, frozen."""
+        module.to(self.device).requires_grad_(False)
 
     def save_pretrained(self, path: str) -> None:
         """Write every component (safetensors) and ``toy_config.json`` under ``path``."""
@@ -212,8 +213,6 @@ class ToyFlowModel:
                              "peft.get_peft_model_state_dict(transformer)")
         if lora_config is None and getattr(self.transformer, "peft_config", None):
             # The adapter the trainer added: its alpha must survive (as in the SD3 adapter).
-            from pipelines.base import lora_adapter_metadata
-
             lora_config = lora_adapter_metadata(self.transformer)
         metadata = lora_config.to_dict() if hasattr(lora_config, "to_dict") else lora_config
         if metadata is not None and not isinstance(metadata, dict):

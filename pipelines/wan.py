@@ -352,6 +352,7 @@ class WanModel(DiffusersFlowModel):
     For Wan2.2, ``transformer`` is a ``WanExperts`` and ``boundary_ratio`` is set."""
 
     family = "wan"
+    options_class = WanOptions
     pipeline_class_path = "diffusers:WanPipeline"
     text_encoder_names = ("text_encoder",)
     has_real_cfg = True

@@ -539,11 +539,12 @@ def test_cli_prints_input_errors_in_one_line_and_keeps_other_tracebacks(tmp_path
 
 
 def test_a_broken_commands_module_is_an_error_not_missing_subcommands(monkeypatch):
-    from flowgrpo import cli
+    import importlib
 
     monkeypatch.setitem(sys.modules, "flowgrpo.commands", None)   # import raises ImportError
+    monkeypatch.delitem(sys.modules, "flowgrpo.cli", raising=False)
     with pytest.raises(ImportError):
-        cli.build_parser()
+        importlib.import_module("flowgrpo.cli")
 
 
 # --------------------------------------------------------------------------- kill -9 loop
