@@ -23,6 +23,15 @@ def replica_checksums(tensors: list[Tensor]) -> Tensor:
     return torch.stack(rows) if rows else torch.zeros(0, 2, dtype=torch.float64)
 
 
+def set_gradient_sync(accelerator, sync: bool) -> None:
+    """Whether the coming backward ends an accumulation window, through accelerate's public
+    ``Accelerator.sync_gradients``: its prepared optimiser steps only when it is True, and
+    DeepSpeed's backward reduces gradients then. The trainer runs the windows itself (windows of
+    any length, the same on every process), so it sets this rather than counting steps in
+    ``accelerator.accumulate``."""
+    accelerator.sync_gradients = sync
+
+
 def engine_name(accelerator) -> str:
     """'single' | 'ddp' | 'fsdp' | 'deepspeed' (other accelerate types by their lower-case name)."""
     kind = accelerator.distributed_type

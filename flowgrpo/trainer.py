@@ -37,7 +37,8 @@ from flowgrpo.advantages import (PER_COMPONENT, decoupled_advantages, diversity_
 from flowgrpo.config import (TrainConfig, dump_config, json_roundtrip, redact, resume_signature,
                              to_dict, validate)
 from flowgrpo.ema import EMA
-from flowgrpo.engines import check_engine, engine_name, preflight_engine, replica_checksums
+from flowgrpo.engines import (check_engine, engine_name, preflight_engine, replica_checksums,
+                              set_gradient_sync)
 from flowgrpo.errors import InputError
 from flowgrpo.eval_media import log_eval_media
 from flowgrpo.guards import gate_uncertainty, load_feature_extractor, media_features
@@ -455,7 +456,7 @@ class Trainer:
                         weights = torch.ones(len(replay.rows), device=replay.logp_old.device)
                     else:
                         replay, weights = replays[window[position]], step_weights[window[position]]
-                    acc.gradient_state._set_sync_gradients(last)
+                    set_gradient_sync(acc, last)
                     with nullcontext() if last else acc.no_sync(self.engine_module):
                         with acc.autocast():
                             loss, record = self.policy.replay_loss(batch, replay, advantages,
