@@ -176,19 +176,17 @@ class FlowPolicy:
         self._cond_batch = None
 
     def _setup_trainable(self, default_targets: list[str]) -> dict[str, nn.Parameter]:
+        """What trains, through the FlowModel's training methods: the LoRA adapter (in float32),
+        or the full weights."""
         m = self.config.model
         self.module.requires_grad_(False)
-        if m.gradient_checkpointing:   # every family's transformer is a diffusers ModelMixin
-            self.module.enable_gradient_checkpointing()
+        if m.gradient_checkpointing:
+            self.model.enable_gradient_checkpointing()
         if not m.lora.enabled:
-            self.module.requires_grad_(True)
+            self.model.train_full_weights()
             return {n: p for n, p in self.module.named_parameters() if p.requires_grad}
-        from peft import LoraConfig   # peft takes seconds to import
-
-        self.module.add_adapter(LoraConfig(
-            r=m.lora.rank, lora_alpha=m.lora.alpha,
-            target_modules=m.lora.target_modules or default_targets,
-            init_lora_weights="gaussian" if m.lora.init == "gaussian" else True))
+        self.model.add_lora(m.lora.rank, m.lora.alpha, m.lora.target_modules or default_targets,
+                            m.lora.init)
         return float32_trainable(self.module)
 
     def bind(self, engine_module: nn.Module, sharded: bool) -> None:
@@ -206,6 +204,13 @@ class FlowPolicy:
             with swapped_attribute(self.model, "transformer", Through(self.engine_module,
                                                                       self.module)):
                 yield
+
+    @contextmanager
+    def own_transformer(self):
+        """The adapter's own transformer in place of the engine's wrapper (``bind``), for the
+        training methods that act on its modules (LoRA switches, state dicts)."""
+        with swapped_attribute(self.model, "transformer", self.module):
+            yield
 
     @contextmanager
     def reference_policy(self):
@@ -226,11 +231,13 @@ class FlowPolicy:
                 for name, param in self.trainable.items():
                     param.data = live[name]
         else:
-            self.module.disable_adapters()
+            with self.own_transformer():
+                self.model.disable_lora()
             try:
                 yield
             finally:
-                self.module.enable_adapters()
+                with self.own_transformer():
+                    self.model.enable_lora()
 
     @torch.no_grad()
     def refresh_reference(self) -> None:
@@ -622,11 +629,9 @@ class FlowPolicy:
     def save_weights(self, folder: str, state_dict: dict[str, Tensor] | None = None) -> None:
         """LoRA in the diffusers format (``pipe.load_lora_weights(folder)``), or the full
         transformer under ``folder/transformer`` (``from_pretrained``-loadable)."""
-        from peft import get_peft_model_state_dict   # peft takes seconds to import
-
-        if self.config.model.lora.enabled:
-            self.model.save_lora_weights(
-                folder, get_peft_model_state_dict(self.module, state_dict=state_dict))
-        else:
-            self.module.save_pretrained(Path(folder) / "transformer", state_dict=state_dict)
+        with self.own_transformer():
+            if self.config.model.lora.enabled:
+                self.model.save_lora_weights(folder, self.model.lora_state_dict(state_dict))
+            else:
+                self.model.save_full_weights(folder, state_dict)
 

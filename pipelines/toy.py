@@ -31,7 +31,7 @@ from torch import Tensor
 
 from flowgrpo.model import Conditioning, guided_velocity
 from flowgrpo.toyworld.grammar import VOCABULARY
-from pipelines.base import lora_adapter_metadata, parse_options
+from pipelines.base import TransformerTraining, lora_adapter_metadata, parse_options
 
 TOY_CONFIG_NAME = "toy_config.json"
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[BOS]", "[EOS]")   # ids 0..3; EOS != 2 (CLIP's legacy pooling)
@@ -139,7 +139,7 @@ def _shifted(sigmas: Tensor, shift: float) -> Tensor:
     return shift * sigmas / (1 + (shift - 1) * sigmas)
 
 
-class ToyFlowModel:
+class ToyFlowModel(TransformerTraining):
     """FlowModel for the toy world (see module docstring). Sampling lives in ``flowgrpo.sde``."""
 
     family = "toy"
@@ -209,8 +209,8 @@ class ToyFlowModel:
         from diffusers import StableDiffusion3Pipeline
 
         if not transformer_lora_state_dict:
-            raise ValueError("transformer_lora_state_dict is empty; pass "
-                             "peft.get_peft_model_state_dict(transformer)")
+            raise ValueError("transformer_lora_state_dict is empty; pass model.lora_state_dict() "
+                             "(peft.get_peft_model_state_dict of the transformer)")
         if lora_config is None and getattr(self.transformer, "peft_config", None):
             # The adapter the trainer added: its alpha must survive (as in the SD3 adapter).
             lora_config = lora_adapter_metadata(self.transformer)
