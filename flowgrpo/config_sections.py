@@ -200,9 +200,9 @@ class SamplingConfig:
 
     def validate(self) -> None:
         """The plan is validated where it applies (policy: flow), with ``num_steps``."""
+        choice(self.kind, SAMPLING_KINDS, "sampling.kind")
         positive(self.num_steps, "sampling.num_steps")
         positive(self.eval_num_steps, "sampling.eval_num_steps")
-        choice(self.kind, SAMPLING_KINDS, "sampling.kind")
         positive(self.noise_level, "sampling.noise_level", allow_zero=True)
         if self.kind == "cps" and self.noise_level > 1:
             raise ConfigError(f"sampling.noise_level is the CPS angle fraction a and must be in "
@@ -237,6 +237,7 @@ class EmaConfig:
         "Flow-GRPO's 32-GPU SD3 recipes); Flash-GRPO: 1.", default=1)
 
     def validate(self) -> None:
+        """The decay is checked where it is used (``enabled``); the rest always."""
         if self.enabled and not 0 < self.decay < 1:
             raise ConfigError(f"training.ema.decay must be in (0, 1) (got {self.decay})")
         if self.every < 1:
@@ -482,12 +483,15 @@ class RewardsConfig:
     threaded: bool = _help("Score each rollout batch in a thread while the next one rolls out.",
                            default=True)
     saturation_ratio: float = _help(
-        "Saturation weighting of several components (after the idea of TaRoS; 0 = off): in each "
-        "group, component k's weight is scaled by min(1, its std in the group / (ratio * its std "
-        "over the batch)), so a component that no longer separates a group stops dominating its "
-        "advantage. In (0, 1], e.g. 0.5; needs >= 2 weighted components.", default=0.0)
+        "Saturation weighting of several components (after the idea of TaRoS; 0 = off): "
+        "in each group, component k's weight is scaled by min(1, its std in the group / "
+        "(ratio * its std over the batch)), so a component that no longer separates a group "
+        "stops dominating its advantage. In (0, 1], e.g. 0.5; needs >= 2 weighted "
+        "components.", default=0.0)
 
     def validate(self) -> None:
+        """Whether the names are known is the reward registry's check; the saturation weights'
+        needs (several weighted components, no kl_reward) are cross-section rules."""
         choice(self.aggregation, REWARD_AGGREGATIONS, "rewards.aggregation")
         for i, spec in enumerate(self.components):
             spec.validate(f"rewards.components[{i}]")
