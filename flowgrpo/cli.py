@@ -19,15 +19,25 @@ from flowgrpo.config import help_text, load_config
 from flowgrpo.errors import InputError
 from flowgrpo.tiny_recipe import load_tiny_config
 from flowgrpo.trainer import Trainer
+from pipelines import MODEL_FAMILIES
+from reward_models import available_rewards
 from reward_models.server import add_serve_reward_parser
 
 # Bad-input exceptions of commands that do not set their own (sample, eval, grid, serve-reward).
 DEFAULT_INPUT_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError)
 
 
+def config_help() -> str:
+    """``flowgrpo train --help-config``: every config field, with the names the registries own
+    (model families, rewards) listed where a field takes them."""
+    rewards = (*available_rewards(), "'package.module:Class'")
+    return help_text(choices={"model.family": tuple(MODEL_FAMILIES),
+                              "rewards.components": rewards, "eval.rewards": rewards})
+
+
 def _train(args: argparse.Namespace) -> int:
     if args.help_config:
-        print(help_text())
+        print(config_help())
         return 0
     if not args.config:
         raise InputError("flowgrpo train needs a CONFIG file, e.g. configs/toy_geneval.yaml")
@@ -44,7 +54,8 @@ def _train(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="flowgrpo",
-        description="GRPO for flow-matching image/video models (SD3, FLUX.1, Wan2.1, toy) and LLMs.")
+        description=f"GRPO for flow-matching image/video models ({', '.join(MODEL_FAMILIES)}) "
+                    f"and LLMs.")
     parser.add_argument("--version", action="version", version=f"flowgrpo {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 

@@ -23,15 +23,15 @@ import types
 import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Union
+from typing import Any, Callable, Mapping, Sequence, Union
 
 import yaml
 
 from flowgrpo.checks import choice
-from flowgrpo.config_sections import (CurriculumConfig, EmaConfig, EvalConfig, GardoConfig,
-                                      LLMConfig, LoraConfig, ModelConfig, PromptsConfig,
-                                      RewardsConfig, RewardSpec, RunConfig, SamplingConfig,
-                                      TrainingConfig, _help)
+from flowgrpo.config_sections import (FIELD_CHOICES, CurriculumConfig, EmaConfig, EvalConfig,
+                                      GardoConfig, LLMConfig, LoraConfig, ModelConfig,
+                                      PromptsConfig, RewardsConfig, RewardSpec, RunConfig,
+                                      SamplingConfig, TrainingConfig, _help)
 from flowgrpo.errors import ConfigError, InputError
 from flowgrpo.plans import PlanConfig
 from flowgrpo.policy import POLICIES, load_policy_class
@@ -514,8 +514,12 @@ def check_reward_key(key: str, field_name: str, known: dict[str, tuple[str, ...]
                           f"components: {listed}")
 
 
-def help_text(cls: type = TrainConfig, prefix: str = "") -> str:
-    """One line per field: dotted name, type, default and help (``--help-config``)."""
+def help_text(cls: type = TrainConfig, prefix: str = "",
+              choices: Mapping[str, Sequence[str]] | None = None) -> str:
+    """One line per field: dotted name, type, default and help (``--help-config``), then the
+    values a choice field takes: ``FIELD_CHOICES`` (and ``policy``'s), and ``choices``, the
+    names the registries own (model families, reward names), which the command line adds."""
+    every = {"policy": tuple(POLICIES), **FIELD_CHOICES, **(choices or {})}
     lines = []
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
@@ -523,8 +527,10 @@ def help_text(cls: type = TrainConfig, prefix: str = "") -> str:
         tp = hints[f.name]
         if dataclasses.is_dataclass(tp):
             lines.append(f"{name}: {f.metadata.get('help', '')}")
-            lines.append(help_text(tp, name + "."))
+            lines.append(help_text(tp, name + ".", choices))
             continue
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        lines.append(f"  {name} ({_type_name(tp)}, default {default!r}): {f.metadata.get('help', '')}")
+        listed = f" Choices: {', '.join(every[name])}." if name in every else ""
+        lines.append(f"  {name} ({_type_name(tp)}, default {default!r}): "
+                     f"{f.metadata.get('help', '')}{listed}")
     return "\n".join(lines)

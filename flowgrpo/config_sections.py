@@ -19,9 +19,9 @@ from flowgrpo.dtypes import DTYPE_NAMES
 from flowgrpo.ema import EMA_WARMUPS
 from flowgrpo.errors import ConfigError
 from flowgrpo.losses import KL_CONVENTIONS, TOKEN_AGGREGATIONS, TOKEN_LEVELS
-from flowgrpo.plans import PlanConfig
+from flowgrpo.plans import PLAN_KINDS, TRAIN_SELECTS, WINDOW_ENDS, WINDOW_STRATEGIES, PlanConfig
 from flowgrpo.prompts import PROMPT_SUFFIXES
-from flowgrpo.sde import KINDS, LOG_PROBS
+from flowgrpo.sde import KINDS, LOG_PROBS, ODE_SOLVERS
 
 LR_DECAYS = ("constant", "linear", "cosine")
 SIGMA_SCHEDULES = ("model", "shifted_linear")
@@ -33,6 +33,23 @@ LOSS_SCALES = ("none", "std_over_sqrt_dt")
 MIXED_PRECISIONS = ("no", "fp16", "bf16")
 TRACKERS = ("tensorboard", "wandb", "none")
 SELECT_BEST_MODES = ("max", "min", "auto")
+# The values of the choice fields, by dotted name: what ``validate`` accepts and what
+# ``flowgrpo train --help-config`` lists (one table; the names registries own are added by the
+# command line, ``flowgrpo.cli.config_help``).
+FIELD_CHOICES: dict[str, tuple[str, ...]] = {
+    "model.dtype": DTYPE_NAMES, "model.lora.init": LORA_INITS,
+    "sampling.kind": SAMPLING_KINDS, "sampling.log_prob": LOG_PROBS,
+    "sampling.sigma_schedule": SIGMA_SCHEDULES, "sampling.plan.kind": PLAN_KINDS,
+    "sampling.plan.train_select": TRAIN_SELECTS,
+    "sampling.plan.window_strategy": WINDOW_STRATEGIES, "sampling.plan.window_end": WINDOW_ENDS,
+    "sampling.plan.solver_after": ODE_SOLVERS,
+    "training.lr_decay": LR_DECAYS, "training.kl_convention": tuple(KL_CONVENTIONS),
+    "training.adv_scale": tuple(SCALES), "training.dt_reweight_norm": DT_REWEIGHT_NORMS,
+    "training.loss_scale": LOSS_SCALES, "training.mixed_precision": MIXED_PRECISIONS,
+    "training.ema.warmup": EMA_WARMUPS, "rewards.aggregation": REWARD_AGGREGATIONS,
+    "llm.aggregation": tuple(TOKEN_AGGREGATIONS), "llm.level": tuple(TOKEN_LEVELS),
+    "run.tracker": TRACKERS, "run.select_best_mode": SELECT_BEST_MODES,
+}
 
 
 def _help(text: str, **kw: Any) -> Any:
@@ -66,7 +83,8 @@ class LoraConfig:
 
 @dataclass
 class ModelConfig:
-    family: str = _help("Model family: sd3 | flux | wan | toy.", default="toy")
+    family: str = _help("Model family: an adapter of pipelines/ (pipelines.MODEL_FAMILIES).",
+                        default="toy")
     path: str = _help("Hub id or local folder passed to from_pretrained.", default="assets/toy")
     dtype: str = _help("Weights dtype of frozen components: float32 | bfloat16 | float16.",
                        default="float32")
@@ -166,8 +184,7 @@ class SamplingConfig:
     num_steps: int = _help("Denoising steps of a training rollout. Flow-GRPO SD3: 10.", default=10)
     eval_num_steps: int = _help("Steps of the deterministic evaluation sampler. Flow-GRPO: 40.",
                                 default=20)
-    kind: str = _help("Transition of stochastic steps: flow_sde | dance_sde | flash_sde | cps "
-                      "(flowgrpo/sde.py).", default="flow_sde")
+    kind: str = _help("Transition of stochastic steps (flowgrpo/sde.py).", default="flow_sde")
     noise_level: float = _help(
         "SDE noise: a for flow_sde/cps (0.7 / 0.8), eta for dance_sde, a multiplier of "
         "Flash-GRPO's s = s_min + (s_max - s_min) sigma for flash_sde (Flash-GRPO: 1).",
@@ -365,7 +382,7 @@ class TrainingConfig:
         "reference, averaged over the sample's trained steps, computed during the rollout) from "
         "the total reward before the advantages (0 = off; needs rewards.aggregation: "
         "weighted_sum).", default=0.0)
-    adv_scale: str = _help("Advantage normalisation: group | batch | none (Dr.GRPO).", default="group")
+    adv_scale: str = _help("Advantage normalisation (none: Dr.GRPO).", default="group")
     adv_ddof: int = _help("Std degrees of freedom: 0 (Flow-GRPO) or 1 (TRL, DanceGRPO).", default=0)
     adv_eps: float = _help("Added to the std.", default=1e-4)
     adv_clip: float = _help("Clip advantages to [-adv_clip, adv_clip] (0 disables).", default=5.0)
@@ -398,7 +415,7 @@ class TrainingConfig:
     skip_zero_std_groups: bool = _help(
         "Skip replay of batches whose advantages are all zero (DAPO-style filtering).", default=True)
     mixed_precision: str = _help(
-        "accelerate mixed precision: no | fp16 | bf16 (SDE maths stay fp32). fp16 scales the loss "
+        "accelerate mixed precision (SDE maths stay fp32). fp16 scales the loss "
         "(accelerate's GradScaler): an overflowing step is skipped and the scale lowered.",
         default="no")
     max_consecutive_skipped_steps: int = _help(
@@ -507,8 +524,8 @@ class LLMConfig:
     max_new_tokens: int = _help("Completion length limit.", default=32)
     temperature: float = _help("Sampling temperature of rollouts.", default=1.0)
     top_p: float = _help("Nucleus sampling threshold.", default=1.0)
-    aggregation: str = _help("Token-loss aggregation: grpo | bnpo | dr_grpo | dapo.", default="grpo")
-    level: str = _help("Importance ratio level: token (GRPO) | sequence (GSPO).", default="token")
+    aggregation: str = _help("Token-loss aggregation (flowgrpo/losses.py).", default="grpo")
+    level: str = _help("Importance ratio level: token (GRPO) or sequence (GSPO).", default="token")
     dynamic_sampling: bool = _help("DAPO: drop zero-variance groups and resample until the batch is "
                                    "full (bounded by max_resample_rounds).", default=False)
     max_resample_rounds: int = _help("Upper bound on dynamic-sampling rounds.", default=3)
@@ -563,7 +580,7 @@ class RunConfig:
     eval_every: int = _help("Evaluate every N iterations (0 = only at start and end).", default=10)
     checkpoint_every: int = _help("Checkpoint every N iterations (0 = only at the end).", default=10)
     keep_checkpoints: int = _help("Keep the newest N checkpoints (0 = all).", default=3)
-    tracker: str = _help("accelerate tracker: tensorboard | wandb | none.", default="tensorboard")
+    tracker: str = _help("accelerate tracker.", default="tensorboard")
     num_threads: int = _help("torch CPU threads (0 = torch default).", default=0)
     progress: bool = _help("Show a progress bar.", default=True)
     comparison_grid: bool = _help("Write a before/after grid of held-out prompts at the end.",
@@ -575,8 +592,8 @@ class RunConfig:
         "[/<family> | /family_mean], of a reward in rewards.components or eval.rewards. "
         "None = no selection.", default=None)
     select_best_mode: str = _help(
-        "Whether larger or smaller values of run.select_best_on are better: max | min | auto "
-        "(the reward's higher_is_better, True unless its class says otherwise).", default="auto")
+        "Whether larger or smaller values of run.select_best_on are better; auto: the reward's "
+        "higher_is_better (True unless its class says otherwise).", default="auto")
     early_stop_patience: int = _help(
         "Stop the run after this many evaluations in a row without a new best of "
         "run.select_best_on (0 = never stop early). The final checkpoint is saved where it stops.",

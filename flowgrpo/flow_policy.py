@@ -1,4 +1,4 @@
-"""The flow-matching policy: a FlowModel (SD3, FLUX.1, Wan2.1, toy) as an MDP over denoising steps.
+"""The flow-matching policy: a FlowModel (any family of ``pipelines``) as an MDP over denoising steps.
 
 Rollouts follow each group's StepPlan (``plans.py``) with SDE/ODE transitions (``sde.py``) and keep
 every trained transformer call as a replay batch (``rollout.py``); the loss of a replay batch is

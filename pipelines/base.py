@@ -4,6 +4,7 @@ The interface they implement, ``FlowModel``, lives in the core (``flowgrpo/model
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import json
@@ -110,6 +111,13 @@ def parse_options(options_class: type, options: Any, family: str) -> Any:
         if not _matches_type(value, hints[key]):
             raise TypeError(f"options.{key} must be {hints[key]} (got {value!r})")
     return options_class(**options)
+
+
+def resolve_size(options: Any, defaults: Mapping[str, int]) -> Any:
+    """``options`` with each size field that is None (height, width, num_frames) set to its
+    default in ``defaults``: the size the family's stock pipeline samples at when given none."""
+    missing = {name: value for name, value in defaults.items() if getattr(options, name) is None}
+    return dataclasses.replace(options, **missing) if missing else options
 
 
 def resolve_dtype(name: str | None, default: torch.dtype) -> torch.dtype:

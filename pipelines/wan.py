@@ -38,7 +38,7 @@ from flowgrpo.model import Conditioning
 from pipelines.base import (LORA_WEIGHTS_NAME, AdapterOptions, DiffusersFlowModel,
                             check_divisible, check_pipeline_folder, is_local_path, parse_options,
                             read_model_index, require_attention_backend, resolve_dtype,
-                            text_model_dtype)
+                            resolve_size, text_model_dtype)
 from pipelines.wan22 import (EXPERT_NAMES, LOW_NOISE_LORA_WEIGHTS_NAME, TRAIN_EXPERTS, WanExperts,
                              check_pipeline_index, check_wan22_options, expert_state,
                              save_expert_lora, save_experts_full)
@@ -106,11 +106,15 @@ def pipeline_default_size() -> tuple[int, int, int]:
     return tuple(int(parameters[name].default) for name in ("height", "width", "num_frames"))
 
 
-def resolve_size(options: WanOptions) -> tuple[int, int, int]:
+def default_size() -> dict[str, int]:
+    """The size ``WanPipeline.__call__`` samples at when given none."""
+    return dict(zip(("height", "width", "num_frames"), pipeline_default_size()))
+
+
+def video_size(options: WanOptions) -> tuple[int, int, int]:
     """(height, width, num_frames): the options, WanPipeline's defaults where None."""
-    defaults = pipeline_default_size()
-    values = (options.height, options.width, options.num_frames)
-    return tuple(default if value is None else value for value, default in zip(values, defaults))
+    resolved = resolve_size(options, default_size())
+    return resolved.height, resolved.width, resolved.num_frames
 
 
 def load_scheduler(path_or_hub_id: str):
@@ -154,7 +158,7 @@ class WanModel(DiffusersFlowModel):
         self.may_skip_parameters = self.boundary_ratio is not None
         check_wan22_options(options, self.boundary_ratio is not None)
         vae_config = self.vae.config
-        self.height, self.width, self.num_frames = resolve_size(options)
+        self.height, self.width, self.num_frames = video_size(options)
         _check_sizes(self.height, self.width, self.num_frames, vae_config.scale_factor_spatial,
                      vae_config.scale_factor_temporal, tuple(self.denoisers()[0].config.patch_size))
         self.scale_factor_spatial = vae_config.scale_factor_spatial
@@ -190,7 +194,7 @@ class WanModel(DiffusersFlowModel):
         check_wan22_options(options, two_experts)
         transformer_config = WanTransformer3DModel.load_config(path_or_hub_id, subfolder="transformer")
         vae_config = AutoencoderKLWan.load_config(path_or_hub_id, subfolder="vae")
-        _check_sizes(*resolve_size(options), vae_config.get("scale_factor_spatial", 8),
+        _check_sizes(*video_size(options), vae_config.get("scale_factor_spatial", 8),
                      vae_config.get("scale_factor_temporal", 4), tuple(transformer_config["patch_size"]))
 
         components = {

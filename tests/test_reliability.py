@@ -1,4 +1,4 @@
-"""Fault injection for issue 18 (docs/reliability.md lists what each test proves): non-finite
+"""Fault injection (docs/reliability.md lists what each test proves): non-finite
 rewards and gradients, refused and resumed run folders, durable checkpoints and metrics,
 config ranges, secrets, prompt files, the CLI's error handling, and a kill -9 loop (slow)."""
 from __future__ import annotations

@@ -27,6 +27,7 @@ from reward_models.loading import resolve_reward_class
 # defaults (``toy_config.json``).
 SAMPLING_DEFAULTS: dict[str, tuple[int, float]] = {"sd3": (40, 4.5), "flux": (28, 3.5),
                                                    "flux_kontext": (28, 3.5), "wan": (50, 5.0)}
+FALLBACK_SAMPLING = (20, 1.0)   # a family not listed and without its own defaults
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
 
 
@@ -197,7 +198,7 @@ def default_sampling(model, family: str, steps: int | None, guidance: float | No
     if defaults is not None and hasattr(defaults, "eval_steps"):
         fallback = (int(defaults.eval_steps), float(defaults.guidance_scale))
     else:
-        fallback = SAMPLING_DEFAULTS.get(family, (20, 1.0))
+        fallback = SAMPLING_DEFAULTS.get(family, FALLBACK_SAMPLING)
     return (fallback[0] if steps is None else steps,
             fallback[1] if guidance is None else guidance)
 
