@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from flowgrpo.config import load_config, to_dict
-from flowgrpo.flow_policy import accumulation_steps, replay_batches_per_process
+from flowgrpo.flow_batches import accumulation_steps, replay_batches_per_process
 from flowgrpo.plans import make_plan, sample_trained_steps
 from tests.helpers import load_benchmark
 

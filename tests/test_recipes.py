@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from flowgrpo.config import InputError, load_config
-from flowgrpo.flow_policy import KL_REWARD_KEY, accumulation_steps, replay_batches_per_process
+from flowgrpo.flow_batches import accumulation_steps, replay_batches_per_process
+from flowgrpo.flow_policy import KL_REWARD_KEY
 from flowgrpo.tiny_recipe import (TINY_REMOTE_STAND_IN, ensure_tiny_model, load_tiny_config,
                                   tiny_build_name)
 from flowgrpo.trainer import Trainer
