@@ -15,7 +15,7 @@ from flowgrpo.config import ConfigError
 from flowgrpo.engines import (check_engine, preflight_engine, replica_checksums,
                               set_gradient_sync)
 from flowgrpo.trainer import NonFiniteGradientError, Trainer, window_lengths
-from tests.test_trainer import tiny_config
+from tests.helpers import tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -9,7 +9,7 @@ import torch
 
 from flowgrpo.config import ConfigError
 from flowgrpo.trainer import Trainer
-from tests.test_trainer import tiny_config
+from tests.helpers import tiny_config
 
 GATED = ["training.kl_beta=0.1", "training.skip_zero_std_groups=false",
          "rewards.components=[{name: 'tests.helpers:BrightnessSpread'}]",

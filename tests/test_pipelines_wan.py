@@ -9,9 +9,8 @@ import torch
 
 from pipelines import load_model
 from flowgrpo.model import FlowModel
-from tests.pipelines_fixtures import (TINY_MAX_SEQUENCE_LENGTH, VIDEO_OPTIONS, CallCounter,
-                                      fail_on_weight_loading, ode_sample, perturb_lora,
-                                      tiny_wan_dir)  # noqa: F401  (fixture)
+from tests.pipeline_helpers import (TINY_MAX_SEQUENCE_LENGTH, VIDEO_OPTIONS, CallCounter,
+                                    fail_on_weight_loading, ode_sample, perturb_lora)
 
 PROMPTS = ["a red cube rolls", "two green spheres bounce"]
 NUM_STEPS = 3
@@ -147,13 +146,6 @@ def test_vae_slicing_and_tiling_switches(tiny_wan_dir, wan):
 # ================================================================================ Wan2.2
 # Two experts (transformer = high noise, transformer_2 = low noise) switched at boundary_ratio.
 WAN22_STEPS = 6   # shift 3: the first two steps are high noise (t >= 875), the other four low
-
-
-@pytest.fixture(scope="session")
-def tiny_wan22_dir(tmp_path_factory) -> str:
-    from pipelines.tiny import save_tiny
-
-    return save_tiny("wan22", tmp_path_factory.mktemp("tiny") / "wan22")
 
 
 @pytest.fixture(scope="module")
@@ -384,17 +376,6 @@ def test_wan22_full_weights_save_in_the_pipeline_layout(wan22, tmp_path):
         assert all(torch.equal(v, original[k]) for k, v in loaded.state_dict().items())
 
 
-def test_wan22_fsdp_wraps_the_blocks_of_both_experts(wan22, monkeypatch):
-    """fsdp.yaml's transformer-based auto-wrap finds Wan's block class on the two-expert module
-    (the wrap policy only; FSDP runs with the experts are untested)."""
-    from tests.test_accelerate_configs import fsdp_plugin
-
-    plugin = fsdp_plugin("fsdp.yaml", monkeypatch)
-    plugin.set_auto_wrap_policy(wan22.transformer)
-    classes = plugin.auto_wrap_policy.keywords["transformer_layer_cls"]
-    assert {c.__name__ for c in classes} == {"WanTransformerBlock"}
-
-
 def test_wan22_default_size_is_the_pipelines(tiny_wan22_dir):
     """Without size options the model samples at the size WanPipeline uses when given none (the
     checkpoint folder records no size): 480 x 832, 81 frames, the latents its prepare_latents makes."""
@@ -474,7 +455,7 @@ def _wan22_train_config(path, tmp_path, *overrides: str, options=None, iteration
 
 
 def _plans():
-    from tests.test_trainer import PLANS
+    from tests.helpers import PLANS
 
     return PLANS
 
@@ -551,7 +532,7 @@ def test_wan22_ddp_two_processes_train_the_same_weights_as_one(tiny_wan22_dir, t
     is unused in that forward. The adapter says so (may_skip_parameters) and the trainer has DDP
     look for unused parameters, with no config option: the two processes end with the weights
     of one process (~60 s)."""
-    from tests.test_multiprocess import assert_same_weights, final_weights, launch, train_config
+    from tests.helpers import assert_same_weights, final_weights, launch, train_config
 
     model = {"family": "wan", "path": tiny_wan22_dir, "options": dict(VIDEO_OPTIONS),
              "lora": {"rank": 4, "alpha": 8}}

@@ -96,28 +96,6 @@ def test_shipped_recipe_steps_the_optimiser_like_its_anchor(name):
             assert accumulation == ANCHOR_ACCUMULATION[name]
 
 
-def test_shipped_recipes_carry_their_anchors_method_settings():
-    sd3 = load_config("configs/sd3_ocr.yaml")
-    assert (sd3.training.kl_beta, sd3.training.kl_convention, sd3.training.adv_scale) == \
-        (0.04, "flow_grpo", "batch")
-    assert sd3.model.options["max_sequence_length"] == 128
-    assert not sd3.sampling.share_initial_noise and sd3.sampling.rollout_batch_size == 9
-    assert load_config("configs/sd3_pickscore.yaml").training.kl_beta == 0.01
-    fast = load_config("configs/sd3_fast_cps.yaml")
-    assert (fast.sampling.kind, fast.sampling.log_prob, fast.training.clip_low) == \
-        ("cps", "unscaled", 1e-5)
-    assert (fast.sampling.plan.window_size, fast.sampling.plan.branch_range) == (3, (0, 3))
-    mix = load_config("configs/flux_pickscore.yaml")
-    assert (mix.sampling.kind, mix.sampling.noise_level, mix.sampling.sigma_schedule,
-            mix.sampling.sigma_shift) == ("flow_sde", 0.7, "shifted_linear", 3.0)
-    assert (mix.training.adv_ddof, mix.training.adv_eps) == (1, 1e-8)
-    assert (mix.sampling.plan.shift_interval, mix.sampling.plan.window_range) == (20, (0, 23))
-    wan = load_config("configs/wan_video.yaml")
-    assert (wan.sampling.kind, wan.sampling.noise_level, wan.sampling.sigma_schedule_start) == \
-        ("flash_sde", 1.0, 0.999)
-    assert not wan.sampling.share_initial_noise and wan.training.rectification
-
-
 # --------------------------------------------------------------------- --tiny
 
 

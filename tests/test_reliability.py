@@ -21,32 +21,15 @@ from flowgrpo import checkpoint as ckpt
 from flowgrpo.config import (ConfigError, InputError, load_config, redact, resume_signature,
                              to_dict)
 from flowgrpo.trainer import Trainer
+from tests import helpers
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def tiny_data(model_path: str, root: Path, **sections: dict) -> dict:
-    """A tiny-SD3 run config (as in tests/test_trainer.py) under ``root``; ``sections`` update
-    its sections."""
-    data = {
-        "name": "tiny",
-        "model": {"family": "sd3", "path": model_path, "options": {"height": 32, "width": 32},
-                  "lora": {"rank": 4, "alpha": 8}},
-        "prompts": {"train": str(root / "prompts.txt"), "eval": None},
-        "sampling": {"num_steps": 4, "eval_num_steps": 4, "rollout_batch_size": 4,
-                     "guidance_scale": 1.0},
-        "training": {"prompts_per_iteration": 2, "group_size": 4, "lr": 1e-2, "clip_low": 0.2},
-        "rewards": {"components": [{"name": "tests.helpers:Brightness"}], "threaded": False},
-        "run": {"output_dir": str(root / "runs"), "max_iterations": 1, "tracker": "none",
-                "progress": False, "checkpoint_every": 0, "eval_every": 0,
-                "comparison_grid": False},
-    }
-    for key, value in sections.items():
-        data[key] = {**data.get(key, {}), **value} if isinstance(value, dict) else value
-    root.mkdir(parents=True, exist_ok=True)
-    if not (root / "prompts.txt").exists():
-        (root / "prompts.txt").write_text("a red square\na blue circle\na green cat\n")
-    return data
+    """``helpers.tiny_data`` without the comparison grid; ``sections`` update its sections."""
+    run = {"comparison_grid": False, **sections.pop("run", {})}
+    return helpers.tiny_data(model_path, root, run=run, **sections)
 
 
 def tiny(model_path: str, root: Path, *overrides: str, **sections: dict):
