@@ -339,6 +339,9 @@ def _cross_section_rules(config: TrainConfig, num_processes: int) -> None:
         raise ConfigError(f"training.kl_reward subtracts the KL from the total reward, which "
                           f"rewards.aggregation: {r.aggregation} does not use: set "
                           f"rewards.aggregation: weighted_sum or training.kl_reward: 0")
+    if t.anchor_beta > 0 and not flow:
+        raise ConfigError("training.anchor_beta anchors denoising steps of a flow policy; set it "
+                          "to 0 for policy: llm")
     if t.optimizer_steps_per_epoch and not flow:
         raise ConfigError("training.optimizer_steps_per_epoch is for policy: flow (it counts "
                           "replay batches); set training.gradient_accumulation_steps instead")

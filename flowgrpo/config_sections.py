@@ -373,6 +373,19 @@ class TrainingConfig:
                                     default=None)
     kl_beta: float = _help("Weight of the KL to the reference (LoRA disabled). 0.04 GenEval/OCR.",
                            default=0.0)
+    anchor_beta: float = _help(
+        "Untrained-step anchoring (0 = off): add anchor_beta * mean_d (v - v_ref)^2, the squared "
+        "velocity difference to the KL reference (LoRA disabled, or the frozen initial model), at "
+        "training.anchor_steps untrained steps of every rollout chunk, drawn afresh each "
+        "iteration. A plan that trains a few steps (Fast branch, MixGRPO window, Flash one step) "
+        "leaves the other steps free to drift as a side effect of the shared weights; on the toy "
+        "the tinted canvas and textured objects that RL leaves come from the last, untrained "
+        "steps (docs/reward_hacking.md). Costs one forward and backward of the policy and one "
+        "forward of the reference per anchored step.", default=0.0)
+    anchor_steps: int = _help(
+        "Untrained steps per rollout chunk that training.anchor_beta anchors, drawn uniformly "
+        "without replacement among the chunk's untrained steps (seeded by seed, iteration and "
+        "chunk).", default=1)
     kl_convention: str = _help(
         "What the KL divides by: 'exact' (the step's total std: the Gaussian KL per dim) or "
         "'flow_grpo' (the anchor's std_dev_t, s without sqrt(dt): Flow-GRPO's formula, the exact "
@@ -458,6 +471,8 @@ class TrainingConfig:
         if self.clip_high is not None:
             positive(self.clip_high, "training.clip_high")
         positive(self.kl_beta, "training.kl_beta", allow_zero=True)
+        positive(self.anchor_beta, "training.anchor_beta", allow_zero=True)
+        positive(self.anchor_steps, "training.anchor_steps")
         choice(self.kl_convention, KL_CONVENTIONS, "training.kl_convention")
         choice(self.dt_reweight_norm, DT_REWEIGHT_NORMS, "training.dt_reweight_norm")
         choice(self.loss_scale, LOSS_SCALES, "training.loss_scale")

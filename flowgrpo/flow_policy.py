@@ -24,7 +24,8 @@ from flowgrpo.guards import check_gate_keys, check_guard_keys
 from flowgrpo.heldout import load_eval_rewards
 from flowgrpo.losses import (batch_mean_dt_weights, check_weights, flow_kl, gated_kl,
                              guard_log_ratio, guard_step_weights, policy_loss,
-                             rectification_weights, std_over_sqrt_dt_weights, surrogate_stats)
+                             rectification_weights, std_over_sqrt_dt_weights, surrogate_stats,
+                             velocity_anchor)
 from flowgrpo.plans import make_plan, sample_trained_steps
 from flowgrpo.policy import Through, float32_trainable, frozen_reference, swapped_attribute
 from flowgrpo.prompts import record_images, reward_metadata
@@ -220,7 +221,9 @@ class FlowPolicy(FlowEvaluation):
         return RolloutSettings(kind=s.kind, noise_level=s.noise_level,
                                guidance_scale=s.guidance_scale, batch_size=s.rollout_batch_size,
                                share_initial_noise=s.share_initial_noise, seed=self.config.run.seed,
-                               iteration=iteration, log_prob=s.log_prob, schedule_bounds=bounds)
+                               iteration=iteration, log_prob=s.log_prob, schedule_bounds=bounds,
+                               anchor_steps=(self.config.training.anchor_steps
+                                             if self.config.training.anchor_beta > 0 else 0))
 
     def time_shift(self) -> float | None:
         """The static shift of the rollout schedule when it is shift(t) of a linear t grid
@@ -415,7 +418,29 @@ class FlowPolicy(FlowEvaluation):
         elif t.kl_beta > 0:
             loss = self._gated_kl_loss(loss, record, replay, cond, settings, mean,
                                        gate[replay.rows.to(gate.device)])
+        if t.anchor_beta > 0 and replay.anchors:
+            anchor = self.anchor_penalty(batch, replay.anchors, settings)
+            loss = loss + t.anchor_beta * anchor
+            record["anchor"] = anchor.detach()
         return loss, record
+
+    def anchor_penalty(self, batch: RolloutBatch, anchors: list, settings: RolloutSettings
+                       ) -> Tensor:
+        """Mean over the anchored states of ``losses.velocity_anchor``: the policy's velocity
+        (with grad, through the engine) against the reference's at each untrained-step state a
+        chunk kept (training.anchor_beta)."""
+        penalties = []
+        for anchor in anchors:
+            cond = self.replay_condition(batch, anchor)
+            latents = anchor.latents.to(self.model.dtype)
+            with self.training_forward():
+                velocity = self.model.velocity(latents, anchor.sigmas, cond,
+                                               settings.guidance_scale)
+            with torch.no_grad(), self.reference_policy():
+                velocity_ref = self.model.velocity(latents, anchor.sigmas, cond,
+                                                   settings.guidance_scale)
+            penalties.append(velocity_anchor(velocity, velocity_ref).mean())
+        return torch.stack(penalties).mean()
 
     def _gated_kl_loss(self, loss: Tensor, record: dict, replay, cond, settings, mean: Tensor,
                        gate: Tensor) -> Tensor:
@@ -448,6 +473,8 @@ class FlowPolicy(FlowEvaluation):
             stats["kl"] = (rows["kl"].float() * counts).sum() / counts.sum().clamp(min=1)
         elif "kl" in rows:
             stats["kl"] = rows["kl"].float().mean()
+        if "anchor" in rows:
+            stats["anchor"] = rows["anchor"].float().mean()
         return stats
 
     # ------------------------------------------------------------------ weights

@@ -497,3 +497,12 @@ def token_policy_loss(logp: Tensor, logp_old: Tensor, advantages: Tensor, mask: 
         if token_kl is not None:
             stats["kl"] = token_mean(token_kl.detach())
     return loss, stats
+
+
+def velocity_anchor(velocity: Tensor, velocity_ref: Tensor) -> Tensor:
+    """(B,) mean over non-batch dims of (velocity - velocity_ref)^2, in float32: the
+    untrained-step anchoring penalty (``training.anchor_beta``). velocity, velocity_ref (B, ...).
+    Zero where the policy predicts what the reference does; its gradient flows into ``velocity``
+    only (the reference is a constant)."""
+    diff = velocity.float() - velocity_ref.detach().float()
+    return diff.pow(2).flatten(1).mean(dim=1)

@@ -163,9 +163,10 @@ def float32_trainable(module: nn.Module) -> dict[str, nn.Parameter]:
 def frozen_reference(config: TrainConfig, module: nn.Module) -> nn.Module | None:
     """The KL reference for full fine-tuning (there is no adapter to disable): a frozen copy of
     the initial module (``training.gardo.refresh_every`` copies later weights into it). None when
-    no KL is used (neither kl_beta nor kl_reward) or LoRA provides the reference."""
+    nothing compares with a reference (kl_beta, kl_reward and anchor_beta all 0) or LoRA
+    provides the reference."""
     t = config.training
-    if (t.kl_beta > 0 or t.kl_reward > 0) and not config.model.lora.enabled:
+    if (t.kl_beta > 0 or t.kl_reward > 0 or t.anchor_beta > 0) and not config.model.lora.enabled:
         return copy.deepcopy(module).requires_grad_(False)
     return None
 

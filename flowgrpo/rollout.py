@@ -31,6 +31,18 @@ from flowgrpo.model import Conditioning, FlowModel
 
 
 @dataclass
+class AnchorBatch:
+    """The state of b rows at one untrained step of their plan (``training.anchor_beta``):
+    rows (b,) (the chunk's rows tensor), latents (b, ...) float32 at ``plan.sigmas[step]``,
+    sigmas (b,) float32."""
+
+    rows: Tensor
+    step: int
+    latents: Tensor
+    sigmas: Tensor
+
+
+@dataclass
 class ReplayBatch:
     """One trained transformer call of the rollout: b rows at one step of one plan.
 
@@ -51,6 +63,9 @@ class ReplayBatch:
     mean_old: Tensor
     std: Tensor
     gaussian: StepGaussian
+    # Untrained-step states of this replay batch's chunk (training.anchor_beta), kept on the
+    # chunk's first replay batch so that each is anchored once per inner epoch.
+    anchors: list[AnchorBatch] = field(default_factory=list)
 
 
 @dataclass
@@ -83,6 +98,7 @@ class RolloutSettings:
     iteration: int
     log_prob: str = "exact"            # sde.LOG_PROBS
     schedule_bounds: tuple[float, float] | None = None   # (sigmas[1], sigmas[-1]): flash_sde
+    anchor_steps: int = 0              # untrained steps kept per chunk (training.anchor_beta)
 
 
 def encode_rows(model: FlowModel, prompts: list[str], images: list[Tensor] | None = None
@@ -155,14 +171,16 @@ class StepNoise:
 def run_plan(model: FlowModel, plan: StepPlan, latents: Tensor, cond: Conditioning,
              rows: Tensor, sample_ids: Tensor, settings: RolloutSettings,
              first_step: int = 0, last_step: int | None = None,
-             row_trained: list[tuple[int, ...]] | None = None
-             ) -> tuple[Tensor, list[ReplayBatch], int]:
+             row_trained: list[tuple[int, ...]] | None = None,
+             anchor_steps: Sequence[int] = ()) -> tuple[Tensor, list[ReplayBatch], int]:
     """Integrate steps [first_step, last_step) of ``plan`` for one replay batch.
 
     latents (b, ...) float32 at ``plan.sigmas[first_step]``; rows (b,) their RolloutBatch indices;
     sample_ids (b,) their global ids (for noise); row_trained: the trained steps of each row when
-    they differ from ``plan.trained`` (a subset of it). Returns (latents at the end, replay
-    batches of the trained steps, transformer calls made per row).
+    they differ from ``plan.trained`` (a subset of it); anchor_steps: steps whose input state is
+    kept as an ``AnchorBatch`` on the first replay batch (dropped when nothing is trained).
+    Returns (latents at the end, replay batches of the trained steps, transformer calls made per
+    row).
     """
     last_step = plan.num_steps if last_step is None else last_step
     stochastic = set(plan.stochastic)
@@ -171,6 +189,7 @@ def run_plan(model: FlowModel, plan: StepPlan, latents: Tensor, cond: Conditioni
     seed_solver = plan.solver_after == "dpmpp_2m"
     device = model.device
     replay: list[ReplayBatch] = []
+    anchors: list[AnchorBatch] = []
     prev_x0 = prev_sigma = None
     calls = 0
     b = latents.shape[0]
@@ -182,6 +201,8 @@ def run_plan(model: FlowModel, plan: StepPlan, latents: Tensor, cond: Conditioni
         sigma = plan.sigmas[i].expand(b).to(device, torch.float32)
         sigma_next = plan.sigmas[i + 1].expand(b).to(device, torch.float32)
         calls += 1
+        if i in anchor_steps:
+            anchors.append(AnchorBatch(rows=rows, step=i, latents=x, sigmas=sigma))
         if i in stochastic:
             noise = step_noise(i).to(device)
             parts = _trained_parts(i, b, trained, row_trained)
@@ -221,7 +242,22 @@ def run_plan(model: FlowModel, plan: StepPlan, latents: Tensor, cond: Conditioni
             prev_x0, prev_sigma = x0, sigma
         else:
             x = euler_step(x, velocity, sigma, sigma_next)
+    if replay:
+        replay[0].anchors = anchors
     return x, replay, calls
+
+
+def choose_anchor_steps(plan: StepPlan, first_step: int, count: int, settings: RolloutSettings,
+                        chunk_key: int) -> list[int]:
+    """``count`` of the plan's untrained steps in [first_step, num_steps), drawn uniformly
+    without replacement by (seed, iteration, "anchor", chunk_key): the steps whose states
+    ``training.anchor_beta`` anchors. Fewer when fewer are untrained."""
+    candidates = [i for i in range(first_step, plan.num_steps) if i not in set(plan.trained)]
+    if count <= 0 or not candidates:
+        return []
+    generator = seeded_generator(settings.seed, settings.iteration, "anchor", chunk_key)
+    order = torch.randperm(len(candidates), generator=generator)[:count]
+    return sorted(candidates[int(k)] for k in order)
 
 
 def _trained_parts(step: int, batch: int, trained: set[int],
@@ -282,8 +318,11 @@ def rollout(model: FlowModel, prompts: list[str], metadata: list[dict], group_id
                 calls += prefix_calls * len(reps)
             row_trained = None if sample_trained is None else \
                 [sample_trained[int(sid)] for sid in sample_ids[rows].tolist()]
+            anchor_steps = choose_anchor_steps(plan, first, settings.anchor_steps, settings,
+                                               int(sample_ids[rows][0]))
             x, chunk_replay, chunk_calls = run_plan(model, plan, x, cond, rows, sample_ids[rows],
-                                                    settings, first, row_trained=row_trained)
+                                                    settings, first, row_trained=row_trained,
+                                                    anchor_steps=anchor_steps)
             calls += chunk_calls * len(rows)
             replay.extend(chunk_replay)
             media = model.decode(x.to(model.device, model.dtype)).to(torch.float32).cpu()

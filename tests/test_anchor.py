@@ -1,0 +1,118 @@
+"""Untrained-step anchoring (training.anchor_beta): the penalty's closed form, which steps are
+anchored, and in the trainer: zero while the policy is the reference, the added gradient pulls
+the untrained steps' velocity back to the reference's, off means untouched."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from flowgrpo.config import ConfigError
+from flowgrpo.losses import velocity_anchor
+from flowgrpo.plans import StepPlan
+from flowgrpo.rollout import RolloutSettings, choose_anchor_steps
+from flowgrpo.trainer import Trainer
+from tests.test_trainer import tiny_config
+
+BRANCH = "sampling.plan={kind: branch, window_size: 1, branch_range: [0, 1]}"
+
+
+def test_velocity_anchor_is_the_mean_squared_difference_per_row():
+    velocity = torch.tensor([[[1.0, 2.0], [3.0, 4.0]], [[0.0, 0.0], [0.0, 0.0]]],
+                            requires_grad=True)
+    reference = torch.tensor([[[1.0, 0.0], [3.0, 0.0]], [[1.0, 1.0], [1.0, 1.0]]])
+    penalty = velocity_anchor(velocity, reference)
+    assert torch.allclose(penalty, torch.tensor([(4 + 16) / 4, 1.0]))
+    penalty.sum().backward()          # d/dv mean (v - r)^2 = 2 (v - r) / D
+    assert torch.allclose(velocity.grad, 2 * (velocity.detach() - reference) / 4)
+
+
+def _plan(trained: tuple[int, ...], num_steps: int = 8) -> StepPlan:
+    sigmas = torch.linspace(1, 0, num_steps + 1)
+    return StepPlan(sigmas=sigmas, stochastic=trained, trained=trained)
+
+
+def _settings(iteration: int = 0, seed: int = 0) -> RolloutSettings:
+    return RolloutSettings(kind="flow_sde", noise_level=0.7, guidance_scale=1.0, batch_size=4,
+                           share_initial_noise=False, seed=seed, iteration=iteration)
+
+
+def test_anchor_steps_are_untrained_distinct_and_seeded():
+    plan = _plan((1, 2))
+    seen = set()
+    for chunk in range(20):
+        steps = choose_anchor_steps(plan, 0, 3, _settings(), chunk)
+        assert len(steps) == 3 == len(set(steps)) and steps == sorted(steps)
+        assert not set(steps) & {1, 2} and all(0 <= s < 8 for s in steps)
+        assert steps == choose_anchor_steps(plan, 0, 3, _settings(), chunk)   # seeded
+        seen.update(steps)
+    assert seen == {0, 3, 4, 5, 6, 7}           # every untrained step can be drawn
+    assert choose_anchor_steps(plan, 5, 9, _settings(), 0) == [5, 6, 7]      # from first_step
+    assert choose_anchor_steps(plan, 0, 0, _settings(), 0) == []
+    draws = {tuple(choose_anchor_steps(plan, 0, 1, _settings(iteration=i), 0)) for i in range(30)}
+    assert len(draws) > 1                       # drawn afresh each iteration
+
+
+def test_anchor_config_errors_name_the_field(tiny_sd3_path, tmp_path):
+    with pytest.raises(ConfigError, match="training.anchor_beta"):
+        tiny_config(tiny_sd3_path, tmp_path, "training.anchor_beta=-1")
+    with pytest.raises(ConfigError, match="training.anchor_steps"):
+        tiny_config(tiny_sd3_path, tmp_path, "training.anchor_steps=0")
+
+
+def _anchor_gap(trainer, iteration: int = 5) -> float:
+    """Mean squared velocity difference to the reference over a fresh rollout's anchored states."""
+    policy = trainer.policy
+    batch, _, _ = trainer.rollout_and_score(iteration)
+    settings = policy.settings(iteration)
+    gaps = []
+    with torch.no_grad():
+        for replay in batch.replay:
+            for anchor in replay.anchors:
+                cond = policy.replay_condition(batch, anchor)
+                v = policy.model.velocity(anchor.latents, anchor.sigmas, cond, 1.0)
+                with policy.reference_policy():
+                    v_ref = policy.model.velocity(anchor.latents, anchor.sigmas, cond, 1.0)
+                gaps.append(float(velocity_anchor(v, v_ref).mean()))
+    assert gaps, "the rollout kept no anchored state"
+    return sum(gaps) / len(gaps)
+
+
+@pytest.mark.parametrize("lora", [True, False])
+def test_anchor_is_zero_at_the_reference_and_pulls_back_after_a_perturbation(
+        tiny_sd3_path, tmp_path, lora):
+    common = (BRANCH, "training.skip_zero_std_groups=false", "training.adv_scale=none",
+              "training.anchor_steps=2", f"model.lora.enabled={str(lora).lower()}",
+              "rewards.components=[{name: 'tests.helpers:Constant'}]")   # no policy gradient
+    trainer = Trainer(tiny_config(tiny_sd3_path, tmp_path / "a", *common,
+                                  "training.anchor_beta=1.0", "training.lr=1e-3"))
+    batch, rewards, _ = trainer.rollout_and_score(0)
+    replay = next(r for r in batch.replay if r.anchors)
+    assert {a.step for a in replay.anchors} <= {1, 2, 3}         # untrained steps of the branch
+    penalty = trainer.policy.anchor_penalty(batch, replay.anchors, trainer.policy.settings(0))
+    assert float(penalty.detach()) == 0.0                         # policy == reference
+    # Move the policy away from the reference, then train on the anchor alone (the reward is
+    # constant, so advantages are 0): the gap must shrink.
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in trainer.trainable.values():
+            param.add_(0.02 * torch.randn(param.shape, generator=generator))
+    before = _anchor_gap(trainer)
+    assert before > 0
+    for iteration in range(1, 6):
+        metrics = trainer.run_iteration(iteration)
+        assert metrics["train/anchor"] > 0
+    assert _anchor_gap(trainer) < 0.8 * before
+
+
+def test_anchor_off_keeps_no_state_and_the_same_weights(tiny_sd3_path, tmp_path):
+    off = Trainer(tiny_config(tiny_sd3_path, tmp_path / "off", BRANCH))
+    batch, _, _ = off.rollout_and_score(0)
+    assert all(not r.anchors for r in batch.replay)
+    # With the policy still equal to the reference, the anchor adds 0 to the loss and nothing to
+    # the gradient: one iteration with and without it gives the same weights.
+    on = Trainer(tiny_config(tiny_sd3_path, tmp_path / "on", BRANCH, "training.anchor_beta=5.0"))
+    off.run_iteration(0)
+    metrics = on.run_iteration(0)
+    assert metrics["train/anchor"] == 0.0
+    for name, param in off.trainable.items():
+        assert torch.allclose(param, on.trainable[name], atol=1e-7), name
