@@ -239,7 +239,7 @@ def dump_config(config: TrainConfig, path: str | Path) -> None:
 def resume_signature(config: TrainConfig) -> dict[str, Any]:
     """The config fields a checkpoint's weights and optimiser state are only valid for: the
     model, the LoRA layout and the sampling plan. Stored in every checkpoint and compared on
-    resume (``checkpoint.open_run``); everything else (lr, iterations, logging) may change."""
+    resume (``run_folder.open_run``); everything else (lr, iterations, logging) may change."""
     m = config.model
     return {
         "policy": config.policy,

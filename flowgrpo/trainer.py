@@ -41,6 +41,7 @@ from flowgrpo.guards import load_feature_extractor
 from flowgrpo.heldout import BestRecord, reward_directions, resolve_mode
 from flowgrpo.policy import check_model_source, load_policy_class
 from flowgrpo.prompts import PromptCurriculum, bucket_labels, load_prompts, sample_indices
+from flowgrpo.run_folder import RunLock
 from flowgrpo.run_log import keep_records
 from flowgrpo.seeding import seeded_generator
 from flowgrpo.trainer_advantages import TrainerAdvantages
@@ -122,7 +123,7 @@ class Trainer(TrainerAdvantages, TrainerCheckpoints, TrainerEvaluation):
         torch.manual_seed(config.run.seed)
         self._run: dict | None = None      # how this run starts (open_run), once decided
         self._opened_with: tuple[str | None, bool] | None = None
-        self._lock = ckpt.RunLock(self.run_dir)
+        self._lock = RunLock(self.run_dir)
 
         if model is None:
             # A model that cannot be loaded (offline, gated, wrong id, incomplete folder) fails

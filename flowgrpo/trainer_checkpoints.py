@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 from flowgrpo import checkpoint as ckpt
 from flowgrpo.config import json_roundtrip, resume_signature
 from flowgrpo.errors import InputError
+from flowgrpo.run_folder import open_run, set_aside
 
 
 class TrainerCheckpoints:
@@ -90,7 +91,7 @@ class TrainerCheckpoints:
         return directory
 
     def open_run(self, resume: str | None, overwrite: bool) -> None:
-        """Decide how the run starts (``checkpoint.open_run``: refuse a used folder without
+        """Decide how the run starts (``run_folder.open_run``: refuse a used folder without
         --resume / --overwrite, find the checkpoint, check its run id and signature, sweep what
         a crash left, write run.json) on the main process under the run folder's lock, and hand
         the decision to every process, so that all continue from the same checkpoint even where
@@ -106,7 +107,7 @@ class TrainerCheckpoints:
         def work() -> dict:
             self._lock.acquire()
             try:
-                return ckpt.open_run(self.run_dir, resume=resume, overwrite=bool(overwrite),
+                return open_run(self.run_dir, resume=resume, overwrite=bool(overwrite),
                                      signature=signature, name=self.config.name)
             except BaseException:
                 self._lock.release()
@@ -198,7 +199,7 @@ class TrainerCheckpoints:
             if folder.is_dir():
                 held = int(ckpt.read_state(folder)["iteration"])
                 if held > self.start_iteration:
-                    moved = ckpt.set_aside(self.run_dir, ckpt.BEST)
+                    moved = set_aside(self.run_dir, ckpt.BEST)
                     record = self.run_dir / "checkpoints" / ckpt.BEST_RECORD
                     if record.is_file():
                         os.replace(record, moved.parent / ckpt.BEST_RECORD)
