@@ -45,7 +45,7 @@ def time_variant(shapes: list[torch.Size], options: dict, steps: int, seed: int 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="assets/toy", help="model folder")
-    parser.add_argument("--family", default="toy", help="model family (sd3, flux, wan, toy)")
+    parser.add_argument("--family", default="toy", help="model family (pipelines.MODEL_FAMILIES)")
     parser.add_argument("--steps", type=int, default=50, help="measured optimiser steps")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     args = parser.parse_args()

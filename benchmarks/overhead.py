@@ -18,9 +18,7 @@ the same run, without editing the trainer:
 - the autograd engine's own time in such a pass ("engine", part of the model's time):
   ``Tensor.backward`` is wrapped, and the time from the call to the first node (the engine's
   setup and its dependency count over the whole graph, >99% the transformer's nodes) and from
-  the end of the pass to the return is what a backward of the transformer alone would pay too.
-  (Before commit 0966f8f it fell into "rest": 0.16 ms a replay batch on the tiny SD3
-  build, about 3% of its update phase);
+  the end of the pass to the return is what a backward of the transformer alone would pay too;
 - VAE decode and prompt encoding: ``model.decode`` / ``model.encode_prompts`` wrapped;
 - rewards: the reward classes' own ``__call__`` / ``components`` wrapped inside ``MultiReward``.
 

@@ -15,6 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+import yaml
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from flowgrpo.checkpoint import list_checkpoints
 
 LORA_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"
 LORA_ADAPTER_NAME = "flowgrpo_checkpoint"
@@ -42,8 +47,6 @@ def _checkpoint_label(path: Path) -> str:
 
 def resolve_checkpoint(text: str) -> Checkpoint:
     """``base`` (any case), a checkpoint folder, or a run folder (-> its newest checkpoint)."""
-    from flowgrpo.checkpoint import list_checkpoints
-
     if text.lower() == BASE:
         return Checkpoint(label=BASE, kind="base")
     path = Path(text)
@@ -78,8 +81,6 @@ def unique_labels(checkpoints: list[Checkpoint]) -> None:
 def run_config(checkpoint: Path) -> tuple[dict, Path] | None:
     """The YAML config of the run a trainer checkpoint belongs to (``runs/<name>/config.yaml``
     for ``runs/<name>/checkpoints/<iteration>``) and its path, or None."""
-    import yaml
-
     if checkpoint.parent.name != "checkpoints":
         return None
     path = checkpoint.parent.parent / "config.yaml"
@@ -110,8 +111,6 @@ def lora_metadata(checkpoint: Path) -> dict | None:
     checkpoint's LoRA: the file's own adapter metadata, else, for a file saved without it (loaders
     would then assume alpha = rank), rank and alpha from the run's ``config.yaml``
     (``model.lora``) with the target modules read from the keys. None when neither is known."""
-    from safetensors import safe_open
-
     file = checkpoint / LORA_WEIGHTS_NAME
     with safe_open(str(file), framework="pt") as handle:
         raw = (handle.metadata() or {}).get("lora_adapter_metadata")
@@ -129,8 +128,6 @@ def lora_metadata(checkpoint: Path) -> dict | None:
 
 def safetensors_shapes(files: list[Path]) -> dict[str, tuple[int, ...]]:
     """Tensor name -> shape from the headers of ``files`` (no tensor data is read)."""
-    from safetensors import safe_open
-
     shapes: dict[str, tuple[int, ...]] = {}
     for file in files:
         with safe_open(str(file), framework="pt") as handle:
@@ -265,8 +262,6 @@ def checkpoint_applied(model, checkpoint: Checkpoint) -> Iterator[None]:
         yield
         return
     if checkpoint.kind == "lora":
-        from safetensors.torch import load_file
-
         metadata = lora_metadata(checkpoint.path)
         if metadata is None:
             warnings.warn(f"checkpoint {checkpoint.path}: the LoRA file has no adapter metadata "
@@ -287,18 +282,13 @@ def checkpoint_applied(model, checkpoint: Checkpoint) -> Iterator[None]:
             for module in loaded:
                 module.delete_adapters(LORA_ADAPTER_NAME)
         return
-    backend = getattr(getattr(model, "options", None), "attention_backend", None)
     swapped = []
     try:
         for folder, owner, attribute in full_parts(model):
             live = getattr(owner, attribute)
             full = type(live).from_pretrained(str(checkpoint.path / folder),
                                               torch_dtype=model.dtype)
-            full.to(model.device).eval().requires_grad_(False)
-            if backend:
-                from pipelines.base import apply_attention_backend
-
-                apply_attention_backend(full, backend)
+            model.configure_transformer(full.eval())
             setattr(owner, attribute, full)
             swapped.append((owner, attribute, live))
         yield

@@ -10,33 +10,42 @@ raise for their argument checks before any model loads.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from flowgrpo import __version__
+from flowgrpo.commands import add_commands
+from flowgrpo.config import help_text, load_config
+from flowgrpo.errors import InputError
+from flowgrpo.tiny_recipe import load_tiny_config
+from flowgrpo.trainer import Trainer
+from pipelines import MODEL_FAMILIES
+from reward_models import available_rewards
+from reward_models.server import add_serve_reward_parser
 
 # Bad-input exceptions of commands that do not set their own (sample, eval, grid, serve-reward).
 DEFAULT_INPUT_ERRORS: tuple[type[BaseException], ...] = (ValueError, FileNotFoundError)
 
 
-def _train(args: argparse.Namespace) -> int:
-    from flowgrpo.config import InputError, help_text, load_config
+def config_help() -> str:
+    """``flowgrpo train --help-config``: every config field, with the names the registries own
+    (model families, rewards) listed where a field takes them."""
+    rewards = (*available_rewards(), "'package.module:Class'")
+    return help_text(choices={"model.family": tuple(MODEL_FAMILIES),
+                              "rewards.components": rewards, "eval.rewards": rewards})
 
+
+def _train(args: argparse.Namespace) -> int:
     if args.help_config:
-        print(help_text())
+        print(config_help())
         return 0
     if not args.config:
         raise InputError("flowgrpo train needs a CONFIG file, e.g. configs/toy_geneval.yaml")
     if args.tiny:
-        import os
-
-        from flowgrpo.tiny_recipe import load_tiny_config
-
         os.environ["ACCELERATE_USE_CPU"] = "true"   # read when the trainer builds its Accelerator
         config = load_tiny_config(args.config, args.overrides)
     else:
         config = load_config(args.config, args.overrides)
-    from flowgrpo.trainer import Trainer
-
     # resume/overwrite go to the constructor: the run folder is checked before the model loads.
     Trainer(config, resume=args.resume, overwrite=args.overwrite).train()
     return 0
@@ -45,7 +54,8 @@ def _train(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="flowgrpo",
-        description="GRPO for flow-matching image/video models (SD3, FLUX.1, Wan2.1, toy) and LLMs.")
+        description=f"GRPO for flow-matching image/video models ({', '.join(MODEL_FAMILIES)}) "
+                    f"and LLMs.")
     parser.add_argument("--version", action="version", version=f"flowgrpo {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
@@ -70,23 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "recipe's; the run is named <name>_tiny (flowgrpo/tiny_recipe.py)")
     train.add_argument("--help-config", action="store_true",
                        help="print every config field with its default and help text")
-    # A function, called only on error: importing the config module here would slow --help.
-    train.set_defaults(handler=_train, input_errors=_train_input_errors)
-
-    # Part of the package, not optional: a broken import is a bug and must show its traceback,
-    # not silently remove sub-commands from --help.
-    from flowgrpo.commands import add_commands
-    from reward_models.server import add_serve_reward_parser
-
+    train.set_defaults(handler=_train, input_errors=(InputError,))
     add_commands(sub)
     add_serve_reward_parser(sub)
     return parser
-
-
-def _train_input_errors() -> tuple[type[BaseException], ...]:
-    from flowgrpo.config import InputError
-
-    return (InputError,)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -107,8 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(handler(args) or 0)
     except Exception as err:
-        declared = getattr(args, "input_errors", None)
-        input_errors = declared() if callable(declared) else DEFAULT_INPUT_ERRORS
+        input_errors = getattr(args, "input_errors", None) or DEFAULT_INPUT_ERRORS
         if not isinstance(err, input_errors):
             raise   # not the user's input: keep the traceback
         print(f"flowgrpo {args.command}: error: {err}", file=sys.stderr)

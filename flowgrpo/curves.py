@@ -18,6 +18,7 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw
 
+from flowgrpo.checkpoint import TMP_PREFIX
 from flowgrpo.grids import fit_line, load_font
 from flowgrpo.heldout import metric_higher_is_better, metric_reward_key
 
@@ -236,8 +237,6 @@ def render_curves(records: list[dict], directions: dict[str, bool], heldout=(),
 def write_curves(records: list[dict], path: str | os.PathLike, directions: dict[str, bool],
                  heldout=(), window: int = MOVING_AVERAGE) -> Path:
     """Draw ``render_curves`` to ``path`` atomically (a reader sees the old file or the new)."""
-    from flowgrpo.checkpoint import TMP_PREFIX
-
     path = Path(path)
     tmp = path.with_name(f"{TMP_PREFIX}{path.name}")
     render_curves(records, directions, heldout, window).save(tmp, format="PNG")

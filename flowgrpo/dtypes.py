@@ -1,11 +1,7 @@
-"""Dtype names, one table: the names configs and options use, and the aliases users type.
-Importing this module does not import torch (the CLI's --help stays fast)."""
+"""Dtype names, one table: the names configs and options use, and the aliases users type."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    import torch
+import torch
 
 # The names configs accept (model.dtype, adapter and reward options), in this order in messages.
 DTYPE_NAMES: tuple[str, ...] = ("float32", "bfloat16", "float16")
@@ -13,10 +9,8 @@ ALIASES: dict[str, str] = {"fp32": "float32", "float": "float32", "bf16": "bfloa
                            "fp16": "float16", "half": "float16"}
 
 
-def parse_dtype(dtype: "torch.dtype | str") -> "torch.dtype":
+def parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
     """torch dtype from a dtype or its name ("float16", "bf16", "torch.float32", ...)."""
-    import torch
-
     if isinstance(dtype, torch.dtype):
         return dtype
     key = str(dtype).removeprefix("torch.")

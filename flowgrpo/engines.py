@@ -2,10 +2,14 @@
 (refused at start, before any model loads, instead of a hang later), and the replica check."""
 from __future__ import annotations
 
+import os
+
 import torch
+from accelerate.utils import DistributedType
 from torch import Tensor
 
-from flowgrpo.config import ConfigError, TrainConfig
+from flowgrpo.config import TrainConfig
+from flowgrpo.errors import ConfigError
 
 
 def replica_checksums(tensors: list[Tensor]) -> Tensor:
@@ -19,10 +23,17 @@ def replica_checksums(tensors: list[Tensor]) -> Tensor:
     return torch.stack(rows) if rows else torch.zeros(0, 2, dtype=torch.float64)
 
 
+def set_gradient_sync(accelerator, sync: bool) -> None:
+    """Whether the coming backward ends an accumulation window, through accelerate's public
+    ``Accelerator.sync_gradients``: its prepared optimiser steps only when it is True, and
+    DeepSpeed's backward reduces gradients then. The trainer runs the windows itself (windows of
+    any length, the same on every process), so it sets this rather than counting steps in
+    ``accelerator.accumulate``."""
+    accelerator.sync_gradients = sync
+
+
 def engine_name(accelerator) -> str:
     """'single' | 'ddp' | 'fsdp' | 'deepspeed' (other accelerate types by their lower-case name)."""
-    from accelerate.utils import DistributedType
-
     kind = accelerator.distributed_type
     if kind == DistributedType.FSDP:
         return "fsdp"
@@ -37,8 +48,6 @@ def preflight_engine(environ: dict[str, str] | None = None, cuda: bool | None = 
     """FSDP and DeepSpeed need GPUs (and DeepSpeed its package): say so in one clear error before
     accelerate fails deep inside its setup. ``accelerate launch`` passes the engine in the
     environment (ACCELERATE_USE_FSDP / ACCELERATE_USE_DEEPSPEED)."""
-    import os
-
     environ = os.environ if environ is None else environ
     cuda = torch.cuda.is_available() if cuda is None else cuda
     for variable, engine in (("ACCELERATE_USE_FSDP", "FSDP"),
@@ -51,7 +60,7 @@ def preflight_engine(environ: dict[str, str] | None = None, cuda: bool | None = 
                               f" (or without --config_file) to train on CPU processes")
         if engine == "DeepSpeed":
             try:
-                import deepspeed  # noqa: F401
+                import deepspeed  # noqa: F401  (optional: only the GPU machine has it)
             except ImportError as err:
                 raise ConfigError("the accelerate config asks for DeepSpeed, which is not "
                                   "installed: pip install deepspeed (on the GPU machine)") from err

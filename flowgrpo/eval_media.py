@@ -14,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from PIL import Image
 from torch import Tensor
 
 from flowgrpo.pixels import to_uint8
@@ -56,7 +57,7 @@ def video_strip(videos: Tensor, max_videos: int = STRIP_VIDEOS,
 def save_eval_media(media: Tensor, out_dir: Path, iteration: int) -> list[Path]:
     """Write an evaluation's samples (images (N, 3, H, W) or videos (N, F, 3, H, W) in [0, 1])
     under ``out_dir``; returns the files written (the PNG, and the GIF for videos)."""
-    from torchvision.utils import make_grid, save_image
+    from torchvision.utils import make_grid, save_image   # torchvision takes seconds to import
 
     png, gif = eval_media_paths(out_dir, iteration)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -66,8 +67,6 @@ def save_eval_media(media: Tensor, out_dir: Path, iteration: int) -> list[Path]:
         return [png]
     frames, columns = video_strip(media)
     save_image(frames, png, nrow=columns)
-    from PIL import Image
-
     shown = media[:GIF_VIDEOS]
     tiles = [make_grid(shown[:, f], nrow=GIF_COLUMNS) for f in range(shown.shape[1])]
     pictures = [Image.fromarray(frame) for frame in to_uint8(torch.stack(tiles))]
@@ -84,8 +83,6 @@ def log_eval_media(accelerator, tracker: str, out_dir: Path, iteration: int) -> 
     if tracker == "none" or not png.is_file():
         return []
     if tracker == "tensorboard":
-        from PIL import Image
-
         writer = accelerator.get_tracker("tensorboard", unwrap=True)
         if not hasattr(writer, "add_image"):
             return []      # a blank tracker: not the main process
@@ -98,7 +95,7 @@ def log_eval_media(accelerator, tracker: str, out_dir: Path, iteration: int) -> 
         run = accelerator.get_tracker("wandb", unwrap=True)
         if not hasattr(run, "log"):
             return []
-        import wandb
+        import wandb   # optional: installed by whoever logs to it
 
         payload = {IMAGE_TAG: wandb.Image(str(png))}
         if gif.is_file():

@@ -1,4 +1,4 @@
-"""The flow-matching policy: a FlowModel (SD3, FLUX.1, Wan2.1, toy) as an MDP over denoising steps.
+"""The flow-matching policy: a FlowModel (any family of ``pipelines``) as an MDP over denoising steps.
 
 Rollouts follow each group's StepPlan (``plans.py``) with SDE/ODE transitions (``sde.py``) and keep
 every trained transformer call as a replay batch (``rollout.py``); the loss of a replay batch is
@@ -7,38 +7,34 @@ normalisation and step weights, Flash-GRPO's rectification and the KL to the ref
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
-from pathlib import Path
 
 import torch
 from accelerate import Accelerator
 from torch import Tensor, nn
 
-from flowgrpo.config import TrainConfig
+from flowgrpo.config import TrainConfig, reward_output_keys
 from flowgrpo.dtypes import parse_dtype
-from flowgrpo.eval_media import save_eval_media
-from flowgrpo.guards import check_guard_keys
-from flowgrpo.heldout import load_eval_rewards, score_eval_rewards
+from flowgrpo.flow_batches import accumulation_steps, ema_updates_per_step, rollout_sigmas
+from flowgrpo.flow_evaluation import FlowEvaluation
+from flowgrpo.guards import check_gate_keys, check_guard_keys
+from flowgrpo.heldout import load_eval_rewards
 from flowgrpo.losses import (batch_mean_dt_weights, check_weights, flow_kl, gated_kl,
                              guard_log_ratio, guard_step_weights, policy_loss,
                              rectification_weights, std_over_sqrt_dt_weights, surrogate_stats,
                              velocity_anchor)
-from flowgrpo.passk import family_mean_se, mean_and_se
-from flowgrpo.plans import make_plan, replay_steps_per_chunk, sample_trained_steps
-from flowgrpo.sde import anchor_std, shifted_linear_sigmas
-from flowgrpo.policy import (Through, eval_share, float32_trainable, frozen_reference,
-                             gather_rows, swapped_attribute)
-from flowgrpo.prompts import eval_selection, record_images, reward_metadata
-from flowgrpo.rollout import (RolloutBatch, RolloutSettings, encode_rows, eval_noise, replay_logp,
-                              rollout, sample_ode)
-from pipelines import load_model
-from reward_models import MultiReward
-
-
-def _mean(values: list[float]) -> float:
-    return float(sum(values) / len(values)) if values else float("nan")
+from flowgrpo.plans import make_plan, sample_trained_steps
+from flowgrpo.policy import Through, float32_trainable, frozen_reference, swapped_attribute
+from flowgrpo.prompts import record_images, reward_metadata
+from flowgrpo.rollout import RolloutBatch, RolloutSettings, encode_rows, replay_logp, rollout
+from flowgrpo.sde import anchor_std
+from pipelines import check_model_config, load_model
+from pipelines import check_model_source as check_family_source
+from reward_models import (MultiReward, available_rewards, check_reward_names,
+                           declared_components, load_reward)
 
 
 # The key under which the rollout reports the KL of training.kl_reward (reward/<key>/mean).
@@ -48,8 +44,6 @@ KL_REWARD_KEY = "kl_to_reference"
 def _replay_rows(replay, keep: Tensor):
     """The replay batch restricted to its rows ``keep`` (local indices, (b',)): every per-row
     tensor of it and of its step Gaussian indexed, the step and the constants kept."""
-    import dataclasses
-
     def pick(value):
         if isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] == count:
             return value.index_select(0, keep.to(value.device))
@@ -64,61 +58,6 @@ def _replay_rows(replay, keep: Tensor):
     return dataclasses.replace(replay, gaussian=gaussian, **fields)
 
 
-def rollout_sigmas(config: TrainConfig, model) -> Tensor:
-    """(N + 1,) schedule of training rollouts: the model's (``sampling.sigma_schedule: model``)
-    or shift(linspace(start, 0, N + 1)) (``shifted_linear``: MixGRPO, Flash-GRPO)."""
-    s = config.sampling
-    if s.sigma_schedule == "shifted_linear":
-        return shifted_linear_sigmas(s.num_steps, s.sigma_shift, s.sigma_schedule_start)
-    return model.sigmas(s.num_steps)
-
-
-def rollout_chunks_per_process(config: TrainConfig, num_processes: int) -> int:
-    """Rollout chunks (rows that share a plan, rollout_batch_size at a time) of one iteration on
-    each process. Plans shared by every group (full, window) chunk the process's rows together;
-    per-group plans (branch, one_step) chunk each group's rows on their own."""
-    import math
-
-    t, s = config.training, config.sampling
-    rows = t.prompts_per_iteration * t.group_size // num_processes
-    if s.plan.kind in ("branch", "one_step") and rows % t.group_size == 0:
-        return (rows // t.group_size) * math.ceil(t.group_size / s.rollout_batch_size)
-    return math.ceil(rows / s.rollout_batch_size)
-
-
-def replay_batches_per_process(config: TrainConfig, num_processes: int) -> int:
-    """Replay batches of one inner epoch on each process, before zero-variance groups are
-    skipped: rollout chunks times the trained steps of a trajectory."""
-    s = config.sampling
-    return rollout_chunks_per_process(config, num_processes) * \
-        replay_steps_per_chunk(s.plan, s.num_steps)
-
-
-def ema_updates_per_step(config: TrainConfig, num_processes: int) -> int:
-    """``training.ema.updates_per_step``, with 0 resolved to the rollout chunks per optimiser
-    step on each process (at least 1): Flow-GRPO updates its EMA after every sample batch, and a
-    sample batch of its loops is a rollout chunk here. 1 for policies without rollout chunks."""
-    t = config.training
-    if t.ema.updates_per_step > 0:
-        return t.ema.updates_per_step
-    if config.policy != "flow":
-        return 1
-    steps = max(t.optimizer_steps_per_epoch, 1)
-    return max(1, rollout_chunks_per_process(config, num_processes) // steps)
-
-
-def resolve_accumulation(config: TrainConfig, num_processes: int) -> None:
-    """``training.optimizer_steps_per_epoch`` > 0 sets ``gradient_accumulation_steps`` to
-    ceil(replay batches per process / steps), the same on every process (the trainer reads it
-    for each update)."""
-    import math
-
-    t = config.training
-    if t.optimizer_steps_per_epoch > 0:
-        count = replay_batches_per_process(config, num_processes)
-        t.gradient_accumulation_steps = max(1, math.ceil(count / t.optimizer_steps_per_epoch))
-
-
 def load_rewards(config: TrainConfig, device: torch.device):
     """The MultiReward of the config's components on ``device`` (each rank's accelerator by
     default; a component's own ``device`` option wins, ``device: auto`` means this one)."""
@@ -127,8 +66,22 @@ def load_rewards(config: TrainConfig, device: torch.device):
         aggregation=config.rewards.aggregation, device=device)
 
 
-class FlowPolicy:
+class FlowPolicy(FlowEvaluation):
     """GRPO on a FlowModel. ``model`` is the FlowModel, ``module`` its transformer (what trains)."""
+
+    @staticmethod
+    def check_config(config: TrainConfig) -> None:
+        """At config load: the model family and its options (``pipelines``), the reward names
+        (``reward_models``) and the reward keys the KL gate names, as far as the config tells."""
+        check_model_config(config.model.family, config.model.options)
+        known = available_rewards()
+        check_reward_names(config.rewards.components, "rewards.components", known)
+        check_reward_names(config.eval.rewards, "eval.rewards", known)
+        check_gate_keys(config, reward_output_keys(config, declared_components))
+
+    @staticmethod
+    def check_model_source(config: TrainConfig) -> None:
+        check_family_source(config.model.family, config.model.path)
 
     def __init__(self, config: TrainConfig, accelerator: Accelerator, train_records: list[dict],
                  model=None) -> None:
@@ -140,7 +93,10 @@ class FlowPolicy:
         # Held-out metrics load here too, on every process (each scores its share of the
         # evaluation rows): a bad option or missing weights fail now, not at the first
         # evaluation of a resumed run.
-        self.eval_reward = load_eval_rewards(config, accelerator.device, training=self.reward)
+        device = accelerator.device
+        self.eval_reward = load_eval_rewards(
+            config, device, lambda spec: load_reward(spec, device=device), MultiReward,
+            training=self.reward)
         m = config.model
         if model is None:
             model = load_model(m.family, m.path, dtype=parse_dtype(m.dtype), device=accelerator.device,
@@ -153,24 +109,23 @@ class FlowPolicy:
         # swapped in for the reference pass; None = the adapter disabled (the base model).
         self.reference_snapshot: dict[str, Tensor] | None = None
         self.base_sigmas = rollout_sigmas(config, model)
-        resolve_accumulation(config, accelerator.num_processes)
+        self.accumulation_steps = accumulation_steps(config, accelerator.num_processes)
+        self.ema_updates_per_step = ema_updates_per_step(config, accelerator.num_processes)
         self.engine_module: nn.Module = self.module
         self._cond_batch = None
 
     def _setup_trainable(self, default_targets: list[str]) -> dict[str, nn.Parameter]:
+        """What trains, through the FlowModel's training methods: the LoRA adapter (in float32),
+        or the full weights."""
         m = self.config.model
         self.module.requires_grad_(False)
-        if m.gradient_checkpointing:   # every family's transformer is a diffusers ModelMixin
-            self.module.enable_gradient_checkpointing()
+        if m.gradient_checkpointing:
+            self.model.enable_gradient_checkpointing()
         if not m.lora.enabled:
-            self.module.requires_grad_(True)
+            self.model.train_full_weights()
             return {n: p for n, p in self.module.named_parameters() if p.requires_grad}
-        from peft import LoraConfig
-
-        self.module.add_adapter(LoraConfig(
-            r=m.lora.rank, lora_alpha=m.lora.alpha,
-            target_modules=m.lora.target_modules or default_targets,
-            init_lora_weights="gaussian" if m.lora.init == "gaussian" else True))
+        self.model.add_lora(m.lora.rank, m.lora.alpha, m.lora.target_modules or default_targets,
+                            m.lora.init)
         return float32_trainable(self.module)
 
     def bind(self, engine_module: nn.Module, sharded: bool) -> None:
@@ -188,6 +143,13 @@ class FlowPolicy:
             with swapped_attribute(self.model, "transformer", Through(self.engine_module,
                                                                       self.module)):
                 yield
+
+    @contextmanager
+    def own_transformer(self):
+        """The adapter's own transformer in place of the engine's wrapper (``bind``), for the
+        training methods that act on its modules (LoRA switches, state dicts)."""
+        with swapped_attribute(self.model, "transformer", self.module):
+            yield
 
     @contextmanager
     def reference_policy(self):
@@ -208,11 +170,13 @@ class FlowPolicy:
                 for name, param in self.trainable.items():
                     param.data = live[name]
         else:
-            self.module.disable_adapters()
+            with self.own_transformer():
+                self.model.disable_lora()
             try:
                 yield
             finally:
-                self.module.enable_adapters()
+                with self.own_transformer():
+                    self.model.enable_lora()
 
     @torch.no_grad()
     def refresh_reference(self) -> None:
@@ -514,136 +478,13 @@ class FlowPolicy:
             stats["anchor"] = rows["anchor"].float().mean()
         return stats
 
-    # ------------------------------------------------------------------ evaluation
-    def eval_noise(self, indices) -> Tensor:
-        """Initial noise of evaluation samples ``indices`` (an int n: samples 0..n-1), seeded by
-        (eval seed, "eval", i) (``config.eval_noise_seed``: prompts.eval_seed, else run.seed): the
-        same at every evaluation of the run and in ``flowgrpo eval``."""
-        from flowgrpo.config import eval_noise_seed
-
-        indices = range(indices) if isinstance(indices, int) else indices
-        return eval_noise(self.model, eval_noise_seed(self.config), indices)
-
-    def _sample(self, prompts: list[str], indices, batch_size: int | None = None,
-                images: list[Tensor] | None = None) -> Tensor:
-        """Deterministic samples of ``prompts`` (with their source ``images`` when editing) from
-        the evaluation noise of ``indices``."""
-        s = self.config.sampling
-        guidance = s.guidance_scale if s.eval_guidance_scale is None else s.eval_guidance_scale
-        with torch.no_grad(), self.accelerator.autocast():
-            return sample_ode(self.model, prompts, self.eval_noise(indices), s.eval_num_steps,
-                              guidance, **({"batch_size": batch_size} if batch_size else {}),
-                              images=images)
-
-    def evaluate(self, records: list[dict], iteration: int, out_dir: Path | None
-                 ) -> dict[str, float]:
-        """Deterministic-sampler rewards on the held-out prompts (``eval_selection``): the mean of
-        every component with its standard error, per task family and their mean (GenEval's
-        overall score). Every process samples and scores its share of the rows
-        (``eval_share``; sample i keeps its noise whatever the process count) and every process
-        returns the metrics of all rows. The held-out metrics of ``eval.rewards`` score the same
-        samples and get the same statistics. Saves the first 64 samples to
-        ``out_dir/eval_<iteration>.png`` (videos: a strip of frames and a GIF,
-        ``eval_media.save_eval_media``) when ``out_dir`` is given."""
-        p = self.config.prompts
-        acc = self.accelerator
-        records = eval_selection(records, p.eval_per_family, p.eval_seeds)
-        if not records:
-            return {}
-        indices, real = eval_share(len(records), acc.num_processes, acc.process_index)
-        media = self._sample([records[i]["prompt"] for i in indices], indices,
-                             max(self.config.sampling.rollout_batch_size, 16),
-                             record_images([records[i] for i in indices]))[:real]
-        mine = indices[:real]
-        prompts = [records[i]["prompt"] for i in mine]
-        scored = reward_metadata([records[i] for i in mine])
-        local = self.reward(media, prompts, scored) if real else {}
-        # Held-out metrics score the same samples (eval.rewards: logged, never trained on).
-        local.update(score_eval_rewards(self.eval_reward, media, prompts, scored, acc.device))
-        rows = gather_rows([{k: float(v[j]) for k, v in local.items()} for j in range(real)], acc)
-        keep = [j for j, i in enumerate(mine) if i < 64]
-        shown = gather_rows([media[j] for j in keep], acc)   # a collective: every process
-        scores = {k: torch.tensor([row[k] for row in rows]) for k in rows[0]} if rows else {}
-        metadata = [r["metadata"] for r in records]
-        metrics: dict[str, float] = {}
-        families = sorted({str(m.get("family")) for m in metadata if m.get("family")})
-        for name, values in scores.items():
-            valid = values[~values.isnan()]
-            metrics[f"eval/{name}"] = float(valid.mean()) if len(valid) else float("nan")
-            metrics[f"eval/{name}/se"] = mean_and_se(valid)[1]
-            per_family, per_family_se = [], []
-            for family in families:
-                mask = torch.tensor([m.get("family") == family for m in metadata]) & ~values.isnan()
-                if mask.any():
-                    metrics[f"eval/{name}/{family}"] = float(values[mask].mean())
-                    metrics[f"eval/{name}/{family}/se"] = mean_and_se(values[mask])[1]
-                    per_family.append(metrics[f"eval/{name}/{family}"])
-                    per_family_se.append(metrics[f"eval/{name}/{family}/se"])
-            if per_family:
-                metrics[f"eval/{name}/family_mean"] = _mean(per_family)
-                metrics[f"eval/{name}/family_mean/se"] = family_mean_se(per_family_se)
-        if out_dir is not None and shown:
-            save_eval_media(torch.stack(shown), out_dir, iteration)
-        return metrics
-
-    def save_grid_samples(self, records: list[dict], run_dir: Path, tag: str) -> None:
-        """Deterministic samples of the grid prompts as ``grid_<tag>.safetensors`` (survives a
-        resume, so the final grid compares with the run's true base)."""
-        from safetensors.torch import save_file
-
-        if records:
-            media = self._sample([r["prompt"] for r in records], range(len(records)),
-                                 images=record_images(records))
-            save_file({"media": media.contiguous()}, str(run_dir / f"grid_{tag}.safetensors"))
-
-    def write_comparison_grid(self, records: list[dict], run_dir: Path, final_label: str
-                              ) -> Path | None:
-        """``run_dir/comparison.png``: rows = held-out prompts, columns = base and final model from
-        the same noise, each cell captioned with the verifier's verdict (PASS / FAIL for a reward
-        whose scores are all 0 or 1) and the score of each reward."""
-        from safetensors.torch import load_file
-
-        from flowgrpo.grids import cell_caption, image_grid, verdict_keys, with_source_column
-
-        base_path = run_dir / "grid_base.safetensors"
-        if not base_path.is_file() or not records:
-            return None
-        self.save_grid_samples(records, run_dir, "final")
-        base = load_file(str(base_path))["media"]
-        final = load_file(str(run_dir / "grid_final.safetensors"))["media"]
-        if base.dim() != 4:
-            return None   # video runs: use `flowgrpo grid` for MP4 grids
-        prompts = [r["prompt"] for r in records]
-        metadata = reward_metadata(records)
-        scores = [self.reward(m, prompts, metadata) for m in (base, final)]
-        weights = self.reward.weights
-        verdicts = verdict_keys(scores, weights)
-        images = torch.stack([base, final], dim=1)
-        labels = [[cell_caption(scores[c], weights, r, verdict=verdicts) for c in range(2)]
-                  for r in range(len(records))]
-        columns = ["base", final_label]
-        sources = record_images(records)
-        if sources is not None:
-            # Editing: the source image is the first column, so each edit reads left to right.
-            images = with_source_column(images, sources)
-            labels = [["source"] + row for row in labels]
-            columns = ["source"] + columns
-        rows = [f"{r['prompt']}\n({r['metadata']['family']})" if r["metadata"].get("family")
-                else r["prompt"] for r in records]
-        grid = image_grid(images, row_labels=rows, col_labels=columns, cell_labels=labels)
-        path = run_dir / "comparison.png"
-        grid.save(path)
-        return path
-
     # ------------------------------------------------------------------ weights
     def save_weights(self, folder: str, state_dict: dict[str, Tensor] | None = None) -> None:
         """LoRA in the diffusers format (``pipe.load_lora_weights(folder)``), or the full
         transformer under ``folder/transformer`` (``from_pretrained``-loadable)."""
-        from peft import get_peft_model_state_dict
-
-        if self.config.model.lora.enabled:
-            self.model.save_lora_weights(
-                folder, get_peft_model_state_dict(self.module, state_dict=state_dict))
-        else:
-            self.module.save_pretrained(Path(folder) / "transformer", state_dict=state_dict)
+        with self.own_transformer():
+            if self.config.model.lora.enabled:
+                self.model.save_lora_weights(folder, self.model.lora_state_dict(state_dict))
+            else:
+                self.model.save_full_weights(folder, state_dict)
 

@@ -16,8 +16,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
+import imageio.v2 as imageio_v2
+import imageio.v3 as imageio_v3
 import numpy as np
 import torch
+import torch.nn.functional as F
 from PIL import Image, ImageDraw, ImageFont
 from torch import Tensor
 
@@ -229,8 +232,6 @@ def _labelled_canvas(num_rows: int, num_cols: int, height: int, width: int,
 def with_source_column(images: Tensor, sources: Sequence[Tensor]) -> Tensor:
     """Editing grids: images (R, C, 3, H, W) -> (R, C + 1, 3, H, W) with row r's source image
     (3, h, w) in [0, 1] as column 0, resized (bilinear) to H x W when its size differs."""
-    import torch.nn.functional as F
-
     if len(sources) != images.shape[0]:
         raise ValueError(f"sources ({len(sources)}) must give one image per row ({images.shape[0]})")
     size = tuple(images.shape[-2:])
@@ -324,9 +325,6 @@ def save_video(frames: np.ndarray, path_mp4: str | os.PathLike, fps: float = 8.0
 
     GIF caveat: Pillow merges consecutive identical frames, so a GIF of a still video has fewer
     frames (same total duration)."""
-    import imageio.v2 as imageio_v2
-    import imageio.v3 as imageio_v3
-
     frames = np.asarray(frames)
     if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8:
         raise ValueError(f"frames must be uint8 (F, H, W, 3) (got {frames.dtype} {frames.shape})")

@@ -10,7 +10,9 @@ import torch
 from torch import Tensor
 
 from flowgrpo.advantages import win_rate_gap
-from flowgrpo.config import ConfigError, TrainConfig, check_reward_key
+from flowgrpo.config import TrainConfig, check_reward_key
+from flowgrpo.dotted import import_dotted
+from flowgrpo.errors import ConfigError
 
 
 def pixel_features(media: Tensor, size: int = 16) -> Tensor:
@@ -31,10 +33,8 @@ def load_feature_extractor(config: TrainConfig) -> Callable[[Tensor], Tensor]:
     if g.diversity_features == "pixels":
         size = g.diversity_feature_size
         return lambda media: pixel_features(media, size)
-    from reward_models.loading import import_class
-
     try:
-        cls = import_class(g.diversity_features)
+        cls = import_dotted(g.diversity_features, "feature")
         extractor = cls(**g.diversity_feature_options)
     except (ImportError, ValueError, TypeError) as err:
         raise ConfigError(f"training.gardo.diversity_features: cannot build "
@@ -58,16 +58,27 @@ def media_features(extractor: Callable[[Tensor], Tensor], media: Tensor) -> Tens
     return features
 
 
-def check_guard_keys(config: TrainConfig, reward) -> None:
-    """After the rewards load (before the model): the keys the KL gate names must be among the
-    outputs of ``reward`` (a ``MultiReward``). A component is checked where the reward declares
-    its ``component_names`` (the ensemble does); otherwise it is checked at the first
-    iteration (``gate_uncertainty``)."""
+def check_gate_keys(config: TrainConfig, known: dict[str, tuple[str, ...] | None] | None) -> None:
+    """The keys the KL gate names (``kl_gate_key``, ``kl_gate_auxiliary``) must be among the
+    reward outputs ``known`` (key -> its component names, None where they are known only once
+    the reward loads; ``known`` None: nothing to check yet). Called at config load with what the
+    config tells (``config.reward_output_keys``) and again once the rewards load."""
     g = config.training.gardo
-    names = [("training.gardo.kl_gate_key", g.kl_gate_key)] if g.kl_gate_key else []
-    names += [(f"training.gardo.kl_gate_auxiliary[{i}]", key)
-              for i, key in enumerate(g.kl_gate_auxiliary)]
-    if not names:
+    if known is None:
+        return
+    if g.kl_gate_key:
+        check_reward_key(g.kl_gate_key, "training.gardo.kl_gate_key", known)
+    for i, key in enumerate(g.kl_gate_auxiliary):
+        check_reward_key(key, f"training.gardo.kl_gate_auxiliary[{i}]", known)
+
+
+def check_guard_keys(config: TrainConfig, reward) -> None:
+    """After the rewards load (before the model): ``check_gate_keys`` against the outputs of
+    ``reward`` (a ``MultiReward``). A component is checked where the reward declares its
+    ``component_names`` (the ensemble does); otherwise it is checked at the first iteration
+    (``gate_uncertainty``)."""
+    g = config.training.gardo
+    if not (g.kl_gate_key or g.kl_gate_auxiliary):
         return
     known: dict[str, tuple[str, ...] | None] = {"total": ()}
     for key, managed in reward.rewards.items():
@@ -77,8 +88,7 @@ def check_guard_keys(config: TrainConfig, reward) -> None:
             known[key] = tuple(declared)
         else:
             known[key] = None if callable(getattr(managed, "components", None)) else ()
-    for field_name, key in names:
-        check_reward_key(key, field_name, known)
+    check_gate_keys(config, known)
 
 
 def gate_uncertainty(config: TrainConfig, gathered: dict[str, Tensor]) -> Tensor:

@@ -16,7 +16,8 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import Tensor
 
-from flowgrpo.config import ConfigError, TrainConfig, training_reward_keys
+from flowgrpo.config import TrainConfig, training_reward_keys
+from flowgrpo.errors import ConfigError
 
 TOTAL_KEY = "total"
 
@@ -78,26 +79,22 @@ def isolated_rng(device: torch.device | str | None = None) -> Iterator[None]:
 
 
 def load_eval_rewards(config: TrainConfig, device: torch.device | str,
-                      load: Callable[[dict], Any] | None = None, *,
+                      load: Callable[[dict], Any], combine: Callable[..., Any], *,
                       training: Any = None):
-    """The MultiReward of ``eval.rewards`` on ``device`` (None when there are none), built
-    without touching the global RNG. ``load``: a spec loader (the LM policy's text rewards);
-    default ``load_reward``. An error of one reward becomes a ConfigError naming
-    ``eval.rewards[i]``; a key equal to one of ``training``'s (the training MultiReward: a
-    ``module:Class`` reward may name itself) is refused with the fix."""
+    """The rewards of ``eval.rewards`` on ``device`` combined (None when there are none), built
+    without touching the global RNG. The policy hands in its reward machinery: ``load`` builds
+    one reward from a spec (the flow policy's ``load_reward``, the LM policy's text rewards),
+    ``combine(specs, load=...)`` combines them (``MultiReward``). An error of one reward
+    becomes a ConfigError naming ``eval.rewards[i]``; a key equal to one of ``training``'s (the
+    training MultiReward: a ``module:Class`` reward may name itself) is refused with the fix."""
     specs = eval_reward_specs(config)
     if not specs:
         return None
-    from reward_models import MultiReward
-    from reward_models.loading import load_reward
-
     position = {id(spec): i for i, spec in enumerate(specs)}
 
     def load_one(spec: dict):
         try:
-            if load is not None:
-                return load(spec)
-            return load_reward(spec, device=device)
+            return load(spec)
         except (ValueError, TypeError, ImportError, OSError) as err:
             i = position[id(spec)]
             raise ConfigError(f"eval.rewards[{i}] ({spec['name']}) does not load: "
@@ -105,7 +102,7 @@ def load_eval_rewards(config: TrainConfig, device: torch.device | str,
 
     with isolated_rng(device):
         try:
-            reward = MultiReward(specs, load=load_one)
+            reward = combine(specs, load=load_one)
         except ValueError as err:
             if isinstance(err, ConfigError):
                 raise

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import os
 
-from flowgrpo.config import InputError
+from huggingface_hub import constants, errors, hf_hub_download
+
+from flowgrpo.errors import InputError
 
 _TRUE = ("1", "true", "yes", "on")
 
@@ -26,20 +28,11 @@ def hub_offline() -> bool:
     if any(os.environ.get(name, "").strip().lower() in _TRUE
            for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")):
         return True
-    try:
-        from huggingface_hub import constants
-    except ImportError:     # pragma: no cover - huggingface_hub comes with diffusers
-        return False
     return bool(constants.is_offline_mode())
 
 
 def _cache_dir() -> str:
-    try:
-        from huggingface_hub import constants
-
-        return str(constants.HF_HUB_CACHE)
-    except (ImportError, AttributeError):   # pragma: no cover
-        return "~/.cache/huggingface/hub"
+    return str(getattr(constants, "HF_HUB_CACHE", "~/.cache/huggingface/hub"))
 
 
 def _local_alternative(field: str, repo_id: str) -> str:
@@ -51,8 +44,6 @@ def access_error(repo_id: str, filename: str, error: BaseException, what: str,
                  field: str) -> HubAccessError:
     """The ``HubAccessError`` for ``error``, raised while reading ``filename`` of hub repository
     ``repo_id`` (``what`` says what it is, ``field`` the config field that names it)."""
-    from huggingface_hub import errors
-
     page = f"https://huggingface.co/{repo_id}"
     unreachable = (errors.LocalEntryNotFoundError, errors.OfflineModeIsEnabled)
     if isinstance(error, errors.GatedRepoError):
@@ -92,8 +83,6 @@ def require_hub_file(repo_id: str, filename: str, *, what: str, field: str,
                      subfolder: str | None = None) -> str:
     """The local path of ``filename`` of hub repository ``repo_id`` (downloaded, or from the
     cache when offline); raises ``HubAccessError`` naming the id, the cause and the fix."""
-    from huggingface_hub import hf_hub_download
-
     try:
         return hf_hub_download(repo_id, filename, subfolder=subfolder,
                                local_files_only=hub_offline())

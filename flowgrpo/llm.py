@@ -33,16 +33,19 @@ import torch
 from torch import Tensor, nn
 
 from flowgrpo.advantages import PER_COMPONENT
-from flowgrpo.config import ConfigError, TrainConfig
+from flowgrpo.config import TrainConfig, eval_noise_seed
+from flowgrpo.dtypes import parse_dtype
+from flowgrpo.errors import ConfigError
+from flowgrpo.heldout import load_eval_rewards, score_eval_rewards
 from flowgrpo.lm_sampling import (eos_token_ids, generate_completions, pad_replay_inputs,
                                   token_logp)
 from flowgrpo.losses import token_policy_loss
-from flowgrpo.dtypes import parse_dtype
-from flowgrpo.heldout import score_eval_rewards
 from flowgrpo.passk import mean_and_se
 from flowgrpo.policy import eval_share, float32_trainable, frozen_reference, gather_rows
 from flowgrpo.prompts import sample_groups
 from flowgrpo.seeding import seeded_generator
+from reward_models import MultiReward, check_reward_names
+from reward_models.text import ExactMatchReward, load_text_reward, text_reward_names
 
 # Attention projections of common causal LMs (Llama/Qwen/Mistral, GPT-2, GPT-NeoX, MPT).
 DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "c_attn", "query_key_value", "Wqkv")
@@ -140,9 +143,6 @@ def text_rewards(config: TrainConfig):
     ``load_text_reward``): every component and ``"total"``. With DAPO's overlong shaping on
     (``llm.overlong_buffer > 0``), ``"overlong"`` (``reward_models.text.OverlongReward``) is one
     more component of weight 1, so GDPO normalises it apart."""
-    from reward_models import MultiReward
-    from reward_models.text import load_text_reward
-
     specs = [{"name": c.name, "weight": c.weight, **c.options} for c in config.rewards.components]
     llm = config.llm
     if llm.overlong_buffer > 0:
@@ -159,10 +159,7 @@ def eval_text_rewards(config: TrainConfig, training):
     """``eval.rewards`` as text rewards (held-out metrics of the evaluation's completions, never
     trained on); None when there are none. ``training``: the training MultiReward, whose keys
     the held-out ones must not reuse."""
-    from flowgrpo.heldout import load_eval_rewards
-    from reward_models.text import load_text_reward
-
-    return load_eval_rewards(config, "cpu", load=load_text_reward, training=training)
+    return load_eval_rewards(config, "cpu", load_text_reward, MultiReward, training=training)
 
 
 def with_token_counts(metadata: list[dict], completion_ids: list[list[int]]) -> list[dict]:
@@ -190,39 +187,28 @@ def zero_variance_groups(values: dict[str, Tensor], group_ids: Tensor) -> set[in
 # --------------------------------------------------------------------------- trainer
 
 
-def validate_llm_config(config: TrainConfig) -> None:
-    """LLM-specific checks that need no model (the base ``validate`` checks the rest)."""
-    if config.policy != "llm":
-        raise ConfigError(f"policy must be 'llm' for LMPolicy (got {config.policy!r})")
-    llm = config.llm
-    if not 0 <= llm.overlong_buffer <= llm.max_new_tokens:
-        raise ConfigError(f"llm.overlong_buffer must be in [0, llm.max_new_tokens="
-                          f"{llm.max_new_tokens}] (got {llm.overlong_buffer})")
-    if llm.overlong_penalty < 0:
-        raise ConfigError(f"llm.overlong_penalty must be >= 0 (got {llm.overlong_penalty})")
-    if llm.max_resample_rounds < 0:
-        raise ConfigError(f"llm.max_resample_rounds must be >= 0 (got {llm.max_resample_rounds})")
-    if llm.eval_temperature < 0:
-        raise ConfigError(f"llm.eval_temperature must be >= 0 (0 = greedy) (got "
-                          f"{llm.eval_temperature})")
-    if not config.rewards.components:
-        raise ConfigError("rewards.components is empty: add a text reward, e.g. "
-                          "[{name: exact_match}]")
-    unknown = sorted(set(config.model.options) - set(MODEL_OPTIONS))
-    if unknown:
-        raise ConfigError(f"model.options.{unknown[0]} is not an option of policy llm; valid: "
-                          f"{', '.join(MODEL_OPTIONS)}")
-    if config.training.clip_low > 1:
-        raise ConfigError(f"training.clip_low must be <= 1 for token ratios (got "
-                          f"{config.training.clip_low})")
-
-
 class LMPolicy:
     """GRPO and its variants for causal LMs (``policy: llm``): the policy half of ``Trainer``."""
 
+    @staticmethod
+    def check_config(config: TrainConfig) -> None:
+        """At config load: the model options ``from_pretrained`` takes here, and the held-out
+        metrics' text reward names."""
+        unknown = sorted(set(config.model.options) - set(MODEL_OPTIONS))
+        if unknown:
+            raise ConfigError(f"model.options.{unknown[0]} is not an option of policy llm; "
+                              f"valid: {', '.join(MODEL_OPTIONS)}")
+        check_reward_names(config.eval.rewards, "eval.rewards", text_reward_names(),
+                           kind="text reward")
+
+    @staticmethod
+    def check_model_source(config: TrainConfig) -> None:
+        """Nothing before the load: transformers' own errors name the model."""
+
     def __init__(self, config: TrainConfig, accelerator, train_records: list[dict],
                  model: LanguagePolicy | None = None) -> None:
-        validate_llm_config(config)
+        if config.policy != "llm":
+            raise ConfigError(f"policy must be 'llm' for LMPolicy (got {config.policy!r})")
         self.config = config
         self.accelerator = accelerator
         self.train_records = train_records   # DAPO's dynamic sampling draws fresh prompts
@@ -243,11 +229,13 @@ class LMPolicy:
         # way, so rollouts and replays compute the same function).
         self.module.train(config.model.gradient_checkpointing)
         self.engine_module: nn.Module = self.module
+        self.accumulation_steps = config.training.gradient_accumulation_steps
+        self.ema_updates_per_step = config.training.ema.updates_per_step or 1
 
     @staticmethod
     def _load(config: TrainConfig, device) -> LanguagePolicy:
         """``AutoModelForCausalLM`` + ``AutoTokenizer`` from ``model.path`` (hub id or folder)."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM, AutoTokenizer   # a second to import
 
         m = config.model
         options = dict(m.options)
@@ -267,7 +255,7 @@ class LMPolicy:
             if m.gradient_checkpointing:
                 self.module.gradient_checkpointing_enable()
             return {n: p for n, p in self.module.named_parameters() if p.requires_grad}
-        from peft import LoraConfig, get_peft_model
+        from peft import LoraConfig, get_peft_model   # peft takes seconds to import
 
         self.module.requires_grad_(False)
         if m.gradient_checkpointing:
@@ -465,8 +453,6 @@ class LMPolicy:
         ``eval/accuracy`` (exact match against ``metadata["answer"]``, when the prompts
         have answers), the mean completion length and truncated fraction. Writes the completions
         to ``out_dir/eval_<iteration>.jsonl`` when given."""
-        from reward_models.text import ExactMatchReward
-
         if not records:
             return {}
         llm, acc = self.config.llm, self.accelerator
@@ -478,8 +464,6 @@ class LMPolicy:
         prompts = [records[i]["prompt"] for i in indices]
         generators = None
         if llm.eval_temperature > 0:
-            from flowgrpo.config import eval_noise_seed
-
             generators = [seeded_generator(eval_noise_seed(self.config), "eval", i)
                           for i in indices]
         with self.accelerator.autocast():

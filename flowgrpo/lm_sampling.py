@@ -113,7 +113,7 @@ def generate_completions(module: nn.Module, tokenizer, prompts: list[str], *, ma
     Returns per prompt: its token ids (no padding), its completion ids up to and including the
     first EOS, and whether it was truncated (``max_new_tokens`` tokens without EOS).
     """
-    from transformers import GenerationConfig, LogitsProcessorList
+    from transformers import GenerationConfig, LogitsProcessorList   # a second to import
 
     if generators is not None and len(generators) != len(prompts):
         raise ValueError(f"generators must have one generator per prompt ({len(prompts)}) "
@@ -165,6 +165,7 @@ def build_char_tokenizer(alphabet: str, folder: str | Path | None = None):
     """A character-level ``PreTrainedTokenizerFast`` built offline: one token per character of
     ``alphabet`` plus <pad>=0, <bos>=1, <eos>=2, <unk>=3; encoding prepends <bos>, decoding
     concatenates characters. Saved to ``folder`` when given (AutoTokenizer-loadable)."""
+    # transformers takes a second to import; only the tiny LM's pretraining builds tokenizers
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 

@@ -76,7 +76,7 @@ class FlowModel(Protocol):
     sigma runs from 1 (noise) to 0 (data).
     """
 
-    family: str                      # "sd3", "flux", "wan", "toy"
+    family: str                      # the family's name in pipelines.MODEL_FAMILIES
     transformer: torch.nn.Module     # what LoRA wraps and the optimiser trains
     lora_target_modules: list[str]   # PEFT target module names for this family
     device: torch.device
@@ -112,4 +112,39 @@ class FlowModel(Protocol):
 
     def save_lora_weights(self, directory: str, transformer_lora_state_dict: dict[str, Tensor]) -> None:
         """Write LoRA weights so that the stock diffusers pipeline's ``load_lora_weights(directory)``
-        loads them (PEFT-format keys as returned by ``peft.get_peft_model_state_dict``)."""
+        loads them (PEFT-format keys, as ``lora_state_dict`` returns them)."""
+
+    # What the flow policy needs to train ``transformer`` (``pipelines.base.TransformerTraining``
+    # implements it on diffusers and PEFT for every family). The policy freezes the transformer
+    # (``requires_grad_(False)``), then calls these; the KL reference of full fine-tuning is a
+    # frozen copy of the module, a refreshed LoRA reference a snapshot of its trainable tensors.
+
+    def enable_gradient_checkpointing(self) -> None:
+        """Recompute the transformer's activations in backward (``model.gradient_checkpointing``)."""
+
+    def train_full_weights(self) -> None:
+        """Full fine-tuning: the transformer weights that train require gradients (all of them,
+        or the experts a family's options select)."""
+
+    def add_lora(self, rank: int, alpha: int, target_modules: list[str], init: str) -> None:
+        """A LoRA adapter on what trains (rank, alpha = scale alpha / rank, PEFT target module
+        names, ``init`` "gaussian" or "default"); its weights then are the parameters that
+        require gradients."""
+
+    def disable_lora(self) -> None:
+        """Run the base weights (the KL reference of a LoRA run) until ``enable_lora``."""
+
+    def enable_lora(self) -> None:
+        """Run the LoRA adapter again."""
+
+    def lora_state_dict(self, state_dict: dict[str, Tensor] | None = None) -> dict[str, Tensor]:
+        """The adapter's weights in PEFT's format, for ``save_lora_weights``; ``state_dict``: the
+        transformer's consolidated state under a sharded engine (None: its own)."""
+
+    def save_full_weights(self, folder: str, state_dict: dict[str, Tensor] | None = None) -> None:
+        """The fully fine-tuned transformer under ``folder`` (``folder/transformer``, loadable
+        with its class's ``from_pretrained``), from ``state_dict`` when given."""
+
+    def configure_transformer(self, module: torch.nn.Module) -> None:
+        """Make ``module`` (a transformer swapped in for the own, e.g. a full fine-tune's) run
+        as the own does: device, frozen, the family's attention settings."""

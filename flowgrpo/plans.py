@@ -41,6 +41,8 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from flowgrpo.checks import choice, int_at_least, is_number
+from flowgrpo.errors import ConfigError
 from flowgrpo.sde import ODE_SOLVERS
 
 __all__ = [
@@ -239,65 +241,51 @@ class PlanConfig:
         "[0, num_steps // 2) (Flash-GRPO: k in 0..9 of 20)."))
 
     def validate(self, num_steps: int) -> None:
-        """Raise ValueError naming ``sampling.plan.<field>`` for the first invalid field."""
+        """Raise ConfigError naming ``sampling.plan.<field>`` for the first invalid field."""
         prefix = "sampling.plan."
         if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 2:
-            raise ValueError(f"sampling.num_steps must be an int >= 2 for a training plan (the "
-                             f"last step is deterministic) (got {num_steps!r})")
-        _choice(self.kind, PLAN_KINDS, prefix + "kind")
-        _choice(self.train_select, TRAIN_SELECTS, prefix + "train_select")
-        _choice(self.window_strategy, WINDOW_STRATEGIES, prefix + "window_strategy")
-        _choice(self.window_end, WINDOW_ENDS, prefix + "window_end")
-        _choice(self.solver_after, ODE_SOLVERS, prefix + "solver_after")
-        if not _is_number(self.train_fraction) or not 0 < self.train_fraction <= 1:
-            raise ValueError(f"{prefix}train_fraction must be in (0, 1] "
-                             f"(got {self.train_fraction!r})")
+            raise ConfigError(f"sampling.num_steps must be an int >= 2 for a training plan (the "
+                              f"last step is deterministic) (got {num_steps!r})")
+        choice(self.kind, PLAN_KINDS, prefix + "kind")
+        choice(self.train_select, TRAIN_SELECTS, prefix + "train_select")
+        choice(self.window_strategy, WINDOW_STRATEGIES, prefix + "window_strategy")
+        choice(self.window_end, WINDOW_ENDS, prefix + "window_end")
+        choice(self.solver_after, ODE_SOLVERS, prefix + "solver_after")
+        if not is_number(self.train_fraction) or not 0 < self.train_fraction <= 1:
+            raise ConfigError(f"{prefix}train_fraction must be in (0, 1] "
+                              f"(got {self.train_fraction!r})")
         if self.kind == "full" and int(num_steps * self.train_fraction) < 1:
-            raise ValueError(f"{prefix}train_fraction={self.train_fraction} trains "
-                             f"int({num_steps} * {self.train_fraction}) = 0 steps; use at least "
-                             f"{1 / num_steps:.4g}")
+            raise ConfigError(f"{prefix}train_fraction={self.train_fraction} trains "
+                              f"int({num_steps} * {self.train_fraction}) = 0 steps; use at least "
+                              f"{1 / num_steps:.4g}")
         if self.kind == "full" and self.train_select == "random_per_sample" and \
                 dance_count(self, num_steps) < 1:
-            raise ValueError(f"{prefix}train_fraction={self.train_fraction} with train_select "
-                             f"random_per_sample trains int(({num_steps} - 1) * "
-                             f"{self.train_fraction}) = 0 steps a sample (DanceGRPO's count); use "
-                             f"at least {1 / (num_steps - 1):.4g}")
-        _int_at_least(self.window_size, 1, prefix + "window_size")
-        _int_at_least(self.window_stride, 0, prefix + "window_stride")
-        _int_at_least(self.shift_interval, 1, prefix + "shift_interval")
-        _int_at_least(self.decay_min_interval, 1, prefix + "decay_min_interval")
-        _int_at_least(self.decay_max_interval, 1, prefix + "decay_max_interval")
+            raise ConfigError(f"{prefix}train_fraction={self.train_fraction} with train_select "
+                              f"random_per_sample trains int(({num_steps} - 1) * "
+                              f"{self.train_fraction}) = 0 steps a sample (DanceGRPO's count); use "
+                              f"at least {1 / (num_steps - 1):.4g}")
+        int_at_least(self.window_size, 1, prefix + "window_size")
+        int_at_least(self.window_stride, 0, prefix + "window_stride")
+        int_at_least(self.shift_interval, 1, prefix + "shift_interval")
+        int_at_least(self.decay_min_interval, 1, prefix + "decay_min_interval")
+        int_at_least(self.decay_max_interval, 1, prefix + "decay_max_interval")
         if self.decay_max_interval < self.decay_min_interval:
-            raise ValueError(f"{prefix}decay_max_interval ({self.decay_max_interval}) must be >= "
-                             f"{prefix}decay_min_interval ({self.decay_min_interval})")
-        _int_at_least(self.exp_decay_threshold, 0, prefix + "exp_decay_threshold")
-        if not _is_number(self.exp_decay_rate) or not self.exp_decay_rate >= 0:
-            raise ValueError(f"{prefix}exp_decay_rate must be a number >= 0 "
-                             f"(got {self.exp_decay_rate!r})")
+            raise ConfigError(f"{prefix}decay_max_interval ({self.decay_max_interval}) must be >= "
+                              f"{prefix}decay_min_interval ({self.decay_min_interval})")
+        int_at_least(self.exp_decay_threshold, 0, prefix + "exp_decay_threshold")
+        if not is_number(self.exp_decay_rate) or not self.exp_decay_rate >= 0:
+            raise ConfigError(f"{prefix}exp_decay_rate must be a number >= 0 "
+                              f"(got {self.exp_decay_rate!r})")
         if not isinstance(self.roll_back, bool):
-            raise ValueError(f"{prefix}roll_back must be true or false (got {self.roll_back!r})")
-        if not _is_number(self.compress_ratio) or not 0 < self.compress_ratio <= 1:
-            raise ValueError(f"{prefix}compress_ratio must be in (0, 1] "
-                             f"(got {self.compress_ratio!r})")
+            raise ConfigError(f"{prefix}roll_back must be true or false (got {self.roll_back!r})")
+        if not is_number(self.compress_ratio) or not 0 < self.compress_ratio <= 1:
+            raise ConfigError(f"{prefix}compress_ratio must be in (0, 1] "
+                              f"(got {self.compress_ratio!r})")
         if self.compress_ratio < 1 and self.kind != "window":
-            raise ValueError(f"{prefix}compress_ratio < 1 applies to kind 'window' only "
-                             f"(MixGRPO-Flash); got kind {self.kind!r}")
+            raise ConfigError(f"{prefix}compress_ratio < 1 applies to kind 'window' only "
+                              f"(MixGRPO-Flash); got kind {self.kind!r}")
         for name in ("window_range", "branch_range", "one_step_range"):
             _step_range(getattr(self, name), (0, 1), num_steps, prefix + name)
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _choice(value: object, choices: tuple[str, ...], name: str) -> None:
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {choices} (got {value!r})")
-
-
-def _int_at_least(value: object, minimum: int, name: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum} (got {value!r})")
 
 
 def _step_range(value: Sequence[int] | None, default: tuple[int, int], num_steps: int,
@@ -307,11 +295,11 @@ def _step_range(value: Sequence[int] | None, default: tuple[int, int], num_steps
         return default
     if (not isinstance(value, (tuple, list)) or len(value) != 2
             or any(isinstance(v, bool) or not isinstance(v, int) for v in value)):
-        raise ValueError(f"{name} must be a pair of ints [lo, hi) or null (got {value!r})")
+        raise ConfigError(f"{name} must be a pair of ints [lo, hi) or null (got {value!r})")
     lo, hi = value
     if not 0 <= lo < hi <= num_steps - 1:
-        raise ValueError(f"{name} must satisfy 0 <= lo < hi <= num_steps - 1 = {num_steps - 1} "
-                         f"(the last step is deterministic) (got [{lo}, {hi}))")
+        raise ConfigError(f"{name} must satisfy 0 <= lo < hi <= num_steps - 1 = {num_steps - 1} "
+                          f"(the last step is deterministic) (got [{lo}, {hi}))")
     return lo, hi
 
 

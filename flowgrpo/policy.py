@@ -10,14 +10,17 @@ the comparison grid. ``FlowPolicy`` (``flowgrpo/flow_policy.py``) and ``LMPolicy
 from __future__ import annotations
 
 import copy
-import importlib
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Protocol
+from typing import TYPE_CHECKING, Any, Iterator, Protocol
 
+import torch.distributed as dist
 from torch import Tensor, nn
 
-from flowgrpo.config import TrainConfig
+from flowgrpo.dotted import import_dotted
+
+if TYPE_CHECKING:   # the config module looks policies up here (POLICIES) to validate a config
+    from flowgrpo.config import TrainConfig
 
 
 # config.policy -> "module:Class"; imported on use, so the LM path never imports the flow stack.
@@ -35,6 +38,27 @@ class Policy(Protocol):
     module: nn.Module
     trainable: dict[str, nn.Parameter]
     reward: Any
+
+    @staticmethod
+    def check_config(config: TrainConfig) -> None:
+        """The names of ``config`` that this policy's registries own (model families and
+        adapter options, reward names), checked by them at config load (``config.validate``),
+        before anything loads; raises ConfigError naming the field."""
+
+    @staticmethod
+    def check_model_source(config: TrainConfig) -> None:
+        """Fail with one message when ``model.path`` cannot be had, before prompts, rewards or
+        weights load (the trainer calls it first)."""
+
+    @property
+    def accumulation_steps(self) -> int:
+        """Replay batches per optimiser step on each process (0: all of an inner epoch), derived
+        from the config for this run's process count."""
+
+    @property
+    def ema_updates_per_step(self) -> int:
+        """Times each EMA update is applied (``training.ema.updates_per_step``, with 0 resolved
+        for this run)."""
 
     def bind(self, engine_module: nn.Module, sharded: bool) -> None:
         """Hand the policy the engine's wrapper of ``module`` (DDP / FSDP / DeepSpeed, or
@@ -93,16 +117,19 @@ def gather_rows(rows: list, accelerator) -> list:
     process order; every process gets all of them."""
     if accelerator.num_processes == 1:
         return list(rows)
-    import torch.distributed as dist
-
     parts: list = [None] * accelerator.num_processes
     dist.all_gather_object(parts, rows)
     return [row for part in parts for row in part]
 
 
 def load_policy_class(kind: str) -> type:
-    module_name, _, class_name = POLICIES[kind].partition(":")
-    return getattr(importlib.import_module(module_name), class_name)
+    return import_dotted(POLICIES[kind], "policy")
+
+
+def check_model_source(config: TrainConfig) -> None:
+    """The policy's ``check_model_source``: a model that cannot be had fails first, with one
+    message, before prompts, rewards or weights load (and before any policy is built)."""
+    load_policy_class(config.policy).check_model_source(config)
 
 
 class Through:

@@ -13,13 +13,22 @@ import json
 import math
 from pathlib import Path
 
+import numpy as np
 import torch
+from PIL import Image
 from torch import Tensor
 
+from flowgrpo.dotted import import_dotted
+from flowgrpo.errors import InputError
+from flowgrpo.pixels import from_uint8
+from flowgrpo.prompt_sets import missing_hint
 from flowgrpo.seeding import seeded_generator
 
 
 PROMPT_SUFFIXES = (".txt", ".jsonl")
+# The ``toy:<split>`` sources, imported on use by name: a run on other prompts (an LM's) never
+# loads the toy world.
+TOY_PROMPTS = "flowgrpo.toyworld:prompt_records"
 _FORMATS = ("give a .txt file (one prompt a line), a .jsonl file (one {\"prompt\": \"...\", "
             "\"metadata\": {...}} object a line, with \"image\": \"path\" for editing) or "
             "toy:train / toy:heldout / toy:edit_train / toy:edit_heldout")
@@ -30,14 +39,8 @@ def load_prompts(source: str) -> list[dict]:
     ValueError) naming the file, and for JSONL the line, when the source is missing, of another
     kind (.json, .csv, ... would be read as lines of text and train on their syntax), malformed
     or empty."""
-    from flowgrpo.config import InputError
-
     if source.startswith("toy:"):
-        from flowgrpo.toyworld.editing import EDIT_SPLITS, edit_split
-        from flowgrpo.toyworld.grammar import prompt_split
-
-        split = source.split(":", 1)[1]
-        records = edit_split(split) if split in EDIT_SPLITS else prompt_split(split)
+        records = import_dotted(TOY_PROMPTS, "prompt source")(source.split(":", 1)[1])
     else:
         path = Path(source)
         suffix = path.suffix.lower()
@@ -45,8 +48,6 @@ def load_prompts(source: str) -> list[dict]:
             raise InputError(f"prompt file {source}: {suffix or 'no suffix'} is not a prompt "
                              f"format; {_FORMATS}")
         if not path.is_file():
-            from flowgrpo.prompt_sets import missing_hint
-
             hint = missing_hint(path)
             raise InputError(f"prompt file {source} does not exist"
                              + (hint if hint else f" ({_FORMATS})"))
@@ -64,8 +65,6 @@ def load_prompts(source: str) -> list[dict]:
 def _jsonl_record(line: str, where: str, folder: Path | None = None) -> dict:
     """One JSONL line as a record; InputError naming ``file:line`` and what is wrong. An
     ``"image"`` path (relative to ``folder``, the JSONL file's) is loaded as (3, H, W) float32."""
-    from flowgrpo.config import InputError
-
     try:
         item = json.loads(line)
     except ValueError as err:
@@ -96,13 +95,6 @@ def _jsonl_record(line: str, where: str, folder: Path | None = None) -> dict:
 
 def load_image(path: Path, where: str = "") -> Tensor:
     """An image file as float32 (3, H, W) in [0, 1] (RGB; alpha dropped, grey expanded)."""
-    from PIL import Image
-
-    import numpy as np
-
-    from flowgrpo.config import InputError
-    from flowgrpo.pixels import from_uint8
-
     if not path.is_file():
         raise InputError(f"{where}: image {path} does not exist; \"image\" is a path relative to "
                          f"the JSONL file")

@@ -9,6 +9,8 @@ import warnings
 from pathlib import Path
 
 from flowgrpo.checkpoint import TMP_PREFIX
+from flowgrpo.curves import metric_keys
+from flowgrpo.heldout import metric_higher_is_better, metric_reward_key
 
 
 def append_record(path: Path, record: dict) -> None:
@@ -67,8 +69,6 @@ def read_records(path: Path) -> list[dict]:
 
 
 def _direction_note(key: str, directions: dict[str, bool], heldout) -> str:
-    from flowgrpo.heldout import metric_higher_is_better, metric_reward_key
-
     notes = []
     if metric_reward_key(key) in heldout:
         notes.append("held-out")
@@ -94,8 +94,6 @@ def eval_line(iteration: int, record: dict, directions: dict[str, bool] | None =
               heldout=()) -> str:
     """One line per evaluation: each reward's headline metric (its family mean where there is
     one) with its standard error, held-out metrics and lower-is-better ones marked."""
-    from flowgrpo.curves import metric_keys
-
     directions = directions or {}
     parts = []
     for key in metric_keys([record]):
@@ -118,8 +116,6 @@ def summary_line(name: str, history: list[dict], seconds: float, run_dir: Path,
     evaluations, the best one and its iteration (the smallest for a lower-is-better reward:
     ``directions``, reward key -> higher is better); the run.select_best_on checkpoint
     (``best``: ``BestRecord.state_dict()``), an early stop, and where the grid and outputs are."""
-    from flowgrpo.heldout import metric_higher_is_better
-
     directions = directions or {}
     heldout = set(heldout)
     evals = [h for h in history if h["phase"] == "eval"]
@@ -129,8 +125,6 @@ def summary_line(name: str, history: list[dict], seconds: float, run_dir: Path,
         parts.append(f"train reward {trains[0].get('reward/total/mean', float('nan')):.3f} -> "
                      f"{trains[-1].get('reward/total/mean', float('nan')):.3f}")
     if len(evals) >= 1:
-        from flowgrpo.curves import metric_keys
-
         for key in metric_keys([evals[-1]]):
             first = evals[0].get(key, float("nan"))
             se = evals[-1].get(f"{key}/se")

@@ -38,6 +38,9 @@ from typing import Any
 import yaml
 
 from flowgrpo.config import ConfigError, InputError, TrainConfig, load_config, parse_overrides
+from flowgrpo.prompt_sets import example_for
+from pipelines.tiny import TINY_FAMILIES, TINY_HEIGHT, TINY_NUM_FRAMES, TINY_WIDTH, save_tiny
+from reward_models.tiny import build_tiny_aesthetic_head, build_tiny_clip
 
 TINY_DIR_ENV = "FLOWGRPO_TINY_DIR"
 TINY_PROMPTS = 2
@@ -92,8 +95,6 @@ def _publish(build, target: Path) -> Path:
 
 def ensure_tiny_model(build: str, root: str | os.PathLike | None = None) -> Path:
     """The tiny ``build`` pipeline folder under ``tiny_root(root)``, written on first use."""
-    from pipelines.tiny import TINY_FAMILIES, save_tiny
-
     if build not in TINY_FAMILIES:
         raise InputError(f"--tiny has no tiny build for model family {build!r} (builds: "
                          f"{', '.join(TINY_FAMILIES)})")
@@ -102,8 +103,6 @@ def ensure_tiny_model(build: str, root: str | os.PathLike | None = None) -> Path
 
 def ensure_tiny_clip(root: str | os.PathLike | None = None) -> Path:
     """A tiny random CLIP (model, processor, tokenizer) for the CLIP-based rewards."""
-    from reward_models.tiny import build_tiny_clip
-
     return _publish(lambda folder: build_tiny_clip(str(folder), projection_dim=TINY_CLIP_PROJECTION,
                                                    image_size=32),
                     tiny_root(root) / "reward_clip")
@@ -111,8 +110,6 @@ def ensure_tiny_clip(root: str | os.PathLike | None = None) -> Path:
 
 def ensure_tiny_aesthetic_head(root: str | os.PathLike | None = None) -> Path:
     """A tiny random aesthetic head on the tiny CLIP's embeddings."""
-    from reward_models.tiny import build_tiny_aesthetic_head
-
     def build(folder: Path) -> None:
         build_tiny_aesthetic_head(str(folder / "head.safetensors"),
                                   embed_dim=TINY_CLIP_PROJECTION)
@@ -167,8 +164,6 @@ def _tiny_prompts(raw: dict) -> dict:
     """``prompts.train`` / ``prompts.eval`` of a recipe whose anchor prompt set is not fetched:
     the set's shipped stand-ins (``flowgrpo.prompt_sets``), so a tiny run works offline on a
     fresh clone. A fetched set is used as it is (a tiny run draws a few of its prompts)."""
-    from flowgrpo.prompt_sets import example_for
-
     out = {}
     for key in ("train", "eval"):
         source = _get(raw, f"prompts.{key}")
@@ -192,8 +187,6 @@ def _get(tree: dict, dotted: str, default: Any = None) -> Any:
 def tiny_patch(raw: dict, root: str | os.PathLike | None = None) -> dict:
     """The config changes (a nested dict merged over the recipe) that put ``raw`` (a config file's
     mapping) on its family's tiny build: see the module docstring. Builds what it points to."""
-    from pipelines.tiny import TINY_HEIGHT, TINY_NUM_FRAMES, TINY_WIDTH
-
     policy = raw.get("policy", "flow")
     if policy != "flow":
         raise InputError(f"--tiny is for flow recipes (this config's policy is {policy!r}); the "

@@ -3,7 +3,10 @@
 One loop for every policy (``flowgrpo/policy.py``: a flow-matching generator or a causal LM) and
 every engine accelerate launches (one process, DDP, FSDP, DeepSpeed). It orchestrates; the maths
 lives in ``advantages.py`` and ``losses.py`` and the model-specific work in the policy. Follow one
-iteration in ``Trainer.run_iteration``.
+iteration in ``Trainer.run_iteration``. This module builds the run and holds the loop and the
+update; the trainer's other parts are ``trainer_advantages.py`` (gathered rewards, advantages,
+guards), ``trainer_checkpoints.py`` (saving, opening and resuming a run folder) and
+``trainer_evaluation.py`` (evaluations, grids, logs, the summary).
 
 Engines. The policy's module goes through ``accelerator.prepare`` with the optimiser: DDP buckets
 the gradient all-reduce, FSDP / DeepSpeed shard what they shard, fp16 gets accelerate's GradScaler.
@@ -23,23 +26,27 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from accelerate import Accelerator
+from accelerate.utils import DistributedDataParallelKwargs
 from torch import Tensor
+from tqdm.auto import tqdm
 
 from flowgrpo import checkpoint as ckpt
-from flowgrpo.advantages import (PER_COMPONENT, decoupled_advantages, diversity_weights,
-                                 group_advantages, kl_gate_weights, mask_nonfinite,
-                                 saturation_weights)
-from flowgrpo.config import (InputError, TrainConfig, dump_config, json_roundtrip, redact,
-                             resume_signature, to_dict, validate)
+from flowgrpo import ranks
+from flowgrpo.config import TrainConfig, dump_config, redact, to_dict, validate
 from flowgrpo.ema import EMA
-from flowgrpo.guards import gate_uncertainty, load_feature_extractor, media_features
-from flowgrpo.engines import check_engine, engine_name, preflight_engine, replica_checksums
+from flowgrpo.engines import (check_engine, engine_name, preflight_engine, replica_checksums,
+                              set_gradient_sync)
+from flowgrpo.guards import load_feature_extractor
 from flowgrpo.heldout import BestRecord, reward_directions, resolve_mode
-from flowgrpo.policy import gather_rows, load_policy_class
-from flowgrpo.prompts import (PromptCurriculum, bucket_labels, comparison_prompts, load_prompts,
-                              mixed_groups, sample_indices)
-from flowgrpo.run_log import append_record, eval_line, keep_records, read_records, summary_line
+from flowgrpo.policy import check_model_source, load_policy_class
+from flowgrpo.prompts import PromptCurriculum, bucket_labels, load_prompts, sample_indices
+from flowgrpo.run_folder import RunLock
+from flowgrpo.run_log import keep_records
 from flowgrpo.seeding import seeded_generator
+from flowgrpo.trainer_advantages import TrainerAdvantages
+from flowgrpo.trainer_checkpoints import TrainerCheckpoints
+from flowgrpo.trainer_evaluation import TrainerEvaluation
 
 
 def scheduled_lr(lr: float, iteration: int, warmup: int, decay: str, final_ratio: float,
@@ -71,7 +78,7 @@ class NonFiniteGradientError(RuntimeError):
     """Too many optimiser steps in a row had a non-finite gradient."""
 
 
-class Trainer:
+class Trainer(TrainerAdvantages, TrainerCheckpoints, TrainerEvaluation):
     """Builds everything from a validated ``TrainConfig`` and runs GRPO on its policy."""
 
     def __init__(self, config: TrainConfig, accelerator=None, model=None, *,
@@ -79,14 +86,11 @@ class Trainer:
         """``resume`` / ``overwrite`` as in ``train``. Given here (``overwrite`` not None, as the
         CLI does), the run folder is checked before the model loads, so a refused folder or a
         missing checkpoint costs nothing; left out, ``train`` checks it."""
-        from accelerate import Accelerator
-        from accelerate.utils import DistributedDataParallelKwargs
-
         self.config = config
         tracker = config.run.tracker
         if tracker == "tensorboard":
             try:
-                import tensorboard  # noqa: F401
+                import tensorboard  # noqa: F401  (optional: the test extra installs it)
             except ImportError:
                 tracker = "none"
         self.run_dir = Path(config.run.output_dir) / config.name
@@ -119,14 +123,12 @@ class Trainer:
         torch.manual_seed(config.run.seed)
         self._run: dict | None = None      # how this run starts (open_run), once decided
         self._opened_with: tuple[str | None, bool] | None = None
-        self._lock = ckpt.RunLock(self.run_dir)
+        self._lock = RunLock(self.run_dir)
 
-        if config.policy == "flow" and model is None:
+        if model is None:
             # A model that cannot be loaded (offline, gated, wrong id, incomplete folder) fails
             # first, with one message, before prompts, rewards or weights load.
-            from pipelines import check_model_source
-
-            check_model_source(config.model.family, config.model.path)
+            check_model_source(config)
         # Cheap things first: a bad prompt file or reward name fails before the model loads
         # (and before --overwrite empties the run folder).
         self.train_records = load_prompts(config.prompts.train)
@@ -152,18 +154,12 @@ class Trainer:
             self.policy = load_policy_class(config.policy)(config, self.accelerator,
                                                            self.train_records, model=model)
             self.trainable = self.policy.trainable
-            updates = t.ema.updates_per_step or 1
-            if config.policy == "flow":       # 0 = the rollout chunks per step (flow_policy)
-                from flowgrpo.flow_policy import ema_updates_per_step
-
-                updates = ema_updates_per_step(config, self.accelerator.num_processes)
             self.ema = EMA(self.trainable, t.ema.decay, t.ema.every, warmup=t.ema.warmup,
-                           updates_per_step=updates) if t.ema.enabled else None
+                           updates_per_step=self.policy.ema_updates_per_step
+                           ) if t.ema.enabled else None
             if getattr(getattr(self.policy, "model", None), "may_skip_parameters", False):
                 # Some forwards leave trainable parameters without a gradient (the other expert
                 # of Wan2.2): without this DDP stops at the second backward.
-                from accelerate.utils import DistributedDataParallelKwargs
-
                 handler = self.accelerator.ddp_handler or DistributedDataParallelKwargs()
                 handler.find_unused_parameters = True
                 self.accelerator.ddp_handler = handler
@@ -208,7 +204,7 @@ class Trainer:
         params = list(self.trainable.values())
         if t.use_8bit_adam:
             try:
-                import bitsandbytes as bnb
+                import bitsandbytes as bnb   # optional: the gpu extra
             except ImportError as err:
                 raise ImportError("training.use_8bit_adam needs bitsandbytes: pip install "
                                   "'flowgrpo[gpu]'") from err
@@ -231,31 +227,19 @@ class Trainer:
 
     # ------------------------------------------------------------------ ranks
     def main_only(self, section: str, work: Callable[[], Any]) -> Any:
-        """Run ``work`` on the main process and hand its result to every process. When it raises,
-        every process raises (the main process its own error, the others one naming it) instead
-        of waiting for the main process at the next collective until the group times out."""
-        acc = self.accelerator
-        result, error = None, None
-        if acc.is_main_process:
-            try:
-                result = work()
-            except Exception as err:   # noqa: BLE001 (re-raised below, on every process)
-                error = err
-        if acc.num_processes > 1:
-            from accelerate.utils import broadcast_object_list
+        """``ranks.main_only`` on this run's processes."""
+        return ranks.main_only(self.accelerator, section, work)
 
-            message = None if error is None else f"{type(error).__name__}: {error}"
-            shared = broadcast_object_list([message, result if error is None else None,
-                                            isinstance(error, InputError)], from_process=0)
-            if shared[0] is not None and error is None:
-                # A bad input stays a bad input on every process (one line from the CLI, not a
-                # traceback per process); anything else is a failure with its own traceback.
-                kind = InputError if shared[2] else RuntimeError
-                raise kind(f"the main process failed in {section}: {shared[0]}")
-            result = shared[1]
-        if error is not None:
-            raise error
-        return result
+    def everywhere(self, section: str, work: Callable[[], Any]) -> Any:
+        """``ranks.everywhere`` on this run's processes."""
+        return ranks.everywhere(self.accelerator, section, work)
+
+    def _everywhere_or_main(self, section: str, work: Callable[[], Any]) -> Any:
+        """Sampling sections: on the main process alone, except under a sharded engine, where
+        every forward gathers parameter shards and so every process must run it."""
+        if self.sharded:
+            return work()
+        return self.main_only(section, work)
 
     def check_replicas(self, when: str) -> None:
         """Every process must hold the same trainable weights (DDP keeps them equal only if they
@@ -303,132 +287,12 @@ class Trainer:
         records, group_ids, sample_ids = self.local_batch(iteration)
         return self.policy.rollout(records, group_ids, sample_ids, iteration)
 
-    def compute_advantages(self, batch, rewards: dict[str, Tensor]
-                           ) -> tuple[Tensor, dict[str, float]]:
-        """Gather rewards over processes, compute advantages on the whole batch, keep ours."""
-        t = self.config.training
-        acc = self.accelerator
-        device = acc.device
-        # Policies hand over NaN for a missing reward (and the reward boundary already turns
-        # +-inf into NaN); masking here too keeps a policy that bypasses it from poisoning the
-        # whole batch's advantages with one inf.
-        gathered = {k: mask_nonfinite(acc.gather(v.to(device)).cpu())[0]
-                    for k, v in rewards.items()}
-        group_ids = acc.gather(batch.group_ids.to(device)).cpu()
-        clip = t.adv_clip or None
-        aggregation = self.config.rewards.aggregation
-        saturation = self.config.rewards.saturation_ratio
-        scales, saturation_stats = None, {}
-        if aggregation in PER_COMPONENT:
-            components = {k: v for k, v in gathered.items() if k in self.reward.weights}
-            if saturation:
-                scales, saturation_stats = saturation_weights(components, group_ids,
-                                                              ratio=saturation, ddof=t.adv_ddof)
-            advantages, stats = decoupled_advantages(
-                components, self.reward.weights, group_ids, ddof=t.adv_ddof, eps=t.adv_eps,
-                clip=clip, batch_normalize=aggregation == "decoupled", component_scales=scales)
-        elif saturation:
-            # The total again, from the weighted components with per-group saturation weights.
-            weights = {k: w for k, w in self.reward.weights.items() if w != 0}
-            components = {k: gathered[k] for k in weights}
-            scales, saturation_stats = saturation_weights(components, group_ids,
-                                                          ratio=saturation, ddof=t.adv_ddof)
-            advantages, stats = decoupled_advantages(
-                components, weights, group_ids, mode="sum_then_normalize", scale=t.adv_scale,
-                ddof=t.adv_ddof, eps=t.adv_eps, clip=clip, component_scales=scales)
-        else:
-            advantages, stats = group_advantages(gathered["total"], group_ids, scale=t.adv_scale,
-                                                 ddof=t.adv_ddof, eps=t.adv_eps, clip=clip)
-        local = len(batch.prompts)
-        start = acc.process_index * local
-        metrics = {f"adv/{k}": float(v) for k, v in stats.items()}
-        metrics.update({f"adv/{k}": float(v) for k, v in saturation_stats.items()})
-        g = t.gardo
-        if g.diversity or g.kl_gate:
-            advantages, guard_metrics = self.apply_guards(batch, gathered, group_ids, advantages)
-            metrics.update(guard_metrics)
-        for name, values in gathered.items():
-            valid = values[~values.isnan()]
-            metrics[f"reward/{name}/mean"] = float(valid.mean()) if len(valid) else float("nan")
-            metrics[f"reward/{name}/std"] = float(valid.std(unbiased=False)) if len(valid) else 0.0
-        metrics["reward/nan_count"] = int(gathered["total"].isnan().sum())
-        # The same on every process (gathered), for the curriculum's bookkeeping.
-        self.gathered = (gathered, group_ids)
-        return advantages[start:start + local], metrics
-
-    def apply_guards(self, batch, gathered: dict[str, Tensor], group_ids: Tensor,
-                     advantages: Tensor) -> tuple[Tensor, dict[str, float]]:
-        """training.gardo on the gathered batch (so every process agrees): diversity-aware
-        amplification of the advantages (``advantages.diversity_weights`` on the media's
-        features, then the clip again) and the KL gate (``advantages.kl_gate_weights``, this
-        process's rows handed to the loss as ``batch.kl_weights``). Returns the advantages and
-        the guards' metrics."""
-        t = self.config.training
-        g = t.gardo
-        acc = self.accelerator
-        metrics: dict[str, float] = {}
-        if g.diversity:
-            local_features = media_features(self.feature_extractor, batch.media)
-            features = acc.gather(local_features.to(acc.device)).cpu()
-            weights, stats = diversity_weights(features, group_ids, advantages)
-            advantages = advantages * weights
-            if t.adv_clip:
-                advantages = advantages.clamp(-t.adv_clip, t.adv_clip)
-            metrics.update({f"adv/{k}": v for k, v in stats.items()})
-        if g.kl_gate:
-            gate = kl_gate_weights(gate_uncertainty(self.config, gathered), g.kl_gate_fraction)
-            local = len(batch.prompts)
-            start = acc.process_index * local
-            batch.kl_weights = gate[start:start + local]
-            metrics["train/kl_gate_share"] = float(gate.mean())
-        return advantages, metrics
-
-    def refresh_reference(self, done: int, metrics: dict[str, float]) -> dict[str, float]:
-        """After iteration ``done`` (1-based): make the KL reference the policy when
-        ``refresh_every`` iterations have passed since the last refresh, or when the update's
-        mean KL over every process exceeded ``refresh_kl`` (GARDO's reference reset). Returns
-        ``train/reference_refreshed`` (1 or 0) and ``train/reference_age`` (iterations since)."""
-        g = self.config.training.gardo
-        acc = self.accelerator
-        kl = metrics.get("train/kl", 0.0)
-        if acc.num_processes > 1:
-            weight = metrics.get("train/replay_batches", 0.0) if "train/kl" in metrics else 0.0
-            local = torch.tensor([[kl * weight, weight]], dtype=torch.float64, device=acc.device)
-            total = acc.gather(local).sum(dim=0).cpu()
-            kl = float(total[0] / total[1]) if total[1] > 0 else 0.0
-        since = done - (self.reference_refreshed_at or 0)
-        due = (g.refresh_every > 0 and since >= g.refresh_every) or \
-            (g.refresh_kl > 0 and kl > g.refresh_kl)
-        if due:
-            self.policy.refresh_reference()
-            self.reference_refreshed_at = done
-        return {"train/reference_refreshed": float(due),
-                "train/reference_age": float(done - (self.reference_refreshed_at or 0))}
-
-    def observe_curriculum(self, iteration: int) -> dict[str, float]:
-        """Record which of the iteration's groups had reward variance (from the gathered rewards,
-        so every process records the same) and return the curriculum's ``train/`` metrics:
-        ``curriculum_mixed_share`` (this iteration's groups), ``curriculum_expected_mixed_share``
-        and ``curriculum_uniform_mixed_share`` (the estimated mixed share of a draw with and
-        without the curriculum, after this update) and ``curriculum_seen_prompts``."""
-        gathered, group_ids = self.gathered
-        keys = (list(self.reward.weights) if self.config.rewards.aggregation in PER_COMPONENT
-                else ["total"])
-        indices = self.group_prompts(iteration)
-        mixed, informative = mixed_groups({k: gathered[k] for k in keys}, group_ids, len(indices))
-        kept = [g for g in range(len(indices)) if bool(informative[g])]
-        self.curriculum.observe([indices[g] for g in kept], [bool(mixed[g]) for g in kept])
-        metrics = {"train/curriculum_mixed_share":
-                   float(mixed[informative].double().mean()) if kept else float("nan")}
-        metrics.update({f"train/curriculum_{k}": v
-                        for k, v in self.curriculum.summary(self.train_buckets).items()})
-        return metrics
-
     def update(self, batch, advantages: Tensor, iteration: int) -> dict[str, float]:
         """num_inner_epochs passes over the rollout's replay batches, clipped-surrogate loss.
 
-        An optimiser step accumulates ``gradient_accumulation_steps`` replay batches (0: all of
-        an epoch). Every process runs the same number of backward passes per step
+        An optimiser step accumulates the policy's ``accumulation_steps`` replay batches (0: all
+        of an epoch; ``training.gradient_accumulation_steps``, or derived from
+        ``optimizer_steps_per_epoch``). Every process runs the same number of backward passes per step
         (``window_lengths``); one short of replay batches replays one of its own with weight 0.
         """
         t = self.config.training
@@ -438,7 +302,7 @@ class Trainer:
                    if not (t.skip_zero_std_groups and bool((advantages[r.rows] == 0).all()))]
         count = torch.tensor([len(replays)], device=acc.device)
         max_count = int(acc.gather(count).max()) if acc.num_processes > 1 else len(replays)
-        per_step = t.gradient_accumulation_steps or max(max_count, 1)
+        per_step = self.policy.accumulation_steps or max(max_count, 1)
         lengths = window_lengths(max_count, per_step)
         step_weights = self.policy.step_weights(replays)
         # Per replay batch only detached tensors are kept; the statistics are computed once over
@@ -460,7 +324,7 @@ class Trainer:
                         weights = torch.ones(len(replay.rows), device=replay.logp_old.device)
                     else:
                         replay, weights = replays[window[position]], step_weights[window[position]]
-                    acc.gradient_state._set_sync_gradients(last)
+                    set_gradient_sync(acc, last)
                     with nullcontext() if last else acc.no_sync(self.engine_module):
                         with acc.autocast():
                             loss, record = self.policy.replay_loss(batch, replay, advantages,
@@ -559,295 +423,7 @@ class Trainer:
         metrics["trained_transitions"] = batch.trained_transitions
         return metrics
 
-    # ------------------------------------------------------------------ evaluation and grids
-    def everywhere(self, section: str, work: Callable[[], Any]) -> Any:
-        """Run ``work`` on every process. When it raises on any process, every process raises
-        (its own error, or one naming the process that failed) instead of waiting at the next
-        collective. ``work`` must reach its own collectives on every process."""
-        acc = self.accelerator
-        result, error = None, None
-        try:
-            result = work()
-        except Exception as err:   # noqa: BLE001 (re-raised below, on every process)
-            error = err
-        if acc.num_processes > 1:
-            own = None if error is None else \
-                f"process {acc.process_index}: {type(error).__name__}: {error}"
-            failed = [m for m in gather_rows([own], acc) if m]
-            if failed and error is None:
-                raise RuntimeError(f"{section} failed on another process ({failed[0]})")
-        if error is not None:
-            raise error
-        return result
-
-    def _everywhere_or_main(self, section: str, work: Callable[[], Any]) -> Any:
-        """Sampling sections: on the main process alone, except under a sharded engine, where
-        every forward gathers parameter shards and so every process must run it."""
-        if self.sharded:
-            return work()
-        return self.main_only(section, work)
-
-    def evaluate(self, iteration: int, save_images: bool = True) -> dict[str, float]:
-        """The policy's held-out metrics with the EMA weights (when EMA is on)."""
-        if not self.eval_records:
-            return {}
-        out = self.run_dir / "samples" if save_images and self.accelerator.is_main_process \
-            else None
-        with torch.no_grad(), self.ema_weights():
-            return self.policy.evaluate(self.eval_records, iteration, out)
-
-    GRID_ROWS = 12          # rows of the grid when the eval prompts have no families
-    GRID_PER_FAMILY = 2     # rows per family otherwise
-
-    def grid_records(self) -> list[dict]:
-        """Held-out prompts of the before/after grid, chosen without looking at any result: the
-        first two eval prompts of each family in the eval source's order (else the first 12)."""
-        return comparison_prompts(self.eval_records, self.GRID_PER_FAMILY, self.GRID_ROWS)
-
-    def save_grid_samples(self, tag: str) -> None:
-        with torch.no_grad(), self.ema_weights():
-            self.policy.save_grid_samples(self.grid_records(), self.run_dir, tag)
-
-    def write_comparison_grid(self) -> Path | None:
-        """The policy's base-vs-final comparison (``comparison.png`` / ``comparison.md``)."""
-        final = self.stopped_early or self.config.run.max_iterations
-        with torch.no_grad(), self.ema_weights():
-            return self.policy.write_comparison_grid(
-                self.grid_records(), self.run_dir, f"iteration {final}")
-
-    # ------------------------------------------------------------------ checkpoints
-    def save(self, iteration: int, folder: str | None = None) -> Path:
-        """checkpoints/<iteration>/: exact-resume state (safetensors) and the user-facing weights
-        (LoRA in the ecosystem's format, or the full model), EMA weights when EMA is on. Under a
-        sharded engine the engine's own sharded state goes to ``engine/`` and the user-facing
-        weights are consolidated on the main process. ``folder``: another name than the
-        iteration (``best``: the best evaluation's, never pruned, with ``best.json`` beside it)."""
-        name = folder or str(iteration)
-        directory = self.run_dir / "checkpoints" / name
-        tensors = dict(self.trainable)
-        if self.ema is not None:
-            tensors.update({f"ema:{n}": v for n, v in self.ema.state_dict().items()})
-        bad = [n for n, p in tensors.items() if not bool(torch.isfinite(p).all())]
-        if bad:
-            raise FloatingPointError(f"not saving iteration {iteration}: {len(bad)} trainable "
-                                     f"or EMA tensors hold non-finite values (first: {bad[0]}); "
-                                     f"the previous checkpoint is kept")
-        consolidated = None
-        if self.sharded:
-            # Collective: every process writes its shard and takes part in the consolidation.
-            self.accelerator.save_state(str(self.run_dir / "checkpoints" /
-                                            f"{ckpt.ENGINE_PREFIX}{name}"))
-            consolidated = self.accelerator.get_state_dict(self.engine_module)
-
-        def write() -> None:
-            def save_weights(folder: str) -> None:
-                with self.ema_weights():   # the published weights are the EMA weights
-                    self.policy.save_weights(folder, consolidated)
-
-            extra = {"name": self.config.name, "family": self.config.model.family,
-                     "policy": self.config.policy, "engine": self.engine,
-                     # run_id: --resume latest continues only this run's checkpoints;
-                     # signature: what a resume must not change (config.resume_signature).
-                     "run_id": self._run["run_id"] if self._run else None,
-                     "signature": json_roundtrip(resume_signature(self.config))}
-            if self.curriculum is not None:
-                extra["curriculum"] = self.curriculum.state_dict()
-            if self.best is not None:
-                extra["best"] = self.best.state_dict()
-            if self.accelerator.scaler is not None:
-                extra["grad_scaler"] = self.accelerator.scaler.state_dict()
-            tensor_files = {}
-            if self.config.training.gardo.refresh:
-                extra["reference_refreshed_at"] = self.reference_refreshed_at
-                if self.reference_refreshed_at is not None:
-                    tensor_files[ckpt.REFERENCE] = self.policy.reference_state()
-            ckpt.save_checkpoint(
-                directory, iteration=iteration,
-                trainable={} if self.sharded else self.trainable,
-                optimizer=None if self.sharded else self.optimizer,
-                ema_state=self.ema.state_dict() if self.ema else None,
-                ema_counters=self.ema.counters() if self.ema else None, save_lora=save_weights,
-                extra=extra,
-                # inside the folder before its completion marker, so the marker covers it
-                engine_dir=(self.run_dir / "checkpoints" / f"{ckpt.ENGINE_PREFIX}{name}"
-                            if self.sharded else None),
-                tensor_files=tensor_files)
-            if folder == ckpt.BEST:
-                ckpt.write_json_atomic(self.run_dir / "checkpoints" / ckpt.BEST_RECORD,
-                                       self.best.state_dict())
-            elif folder is None:
-                ckpt.prune_checkpoints(self.run_dir, self.config.run.keep_checkpoints)
-
-        self.main_only(f"checkpoint {name}", write)
-        return directory
-
-    def open_run(self, resume: str | None, overwrite: bool) -> None:
-        """Decide how the run starts (``checkpoint.open_run``: refuse a used folder without
-        --resume / --overwrite, find the checkpoint, check its run id and signature, sweep what
-        a crash left, write run.json) on the main process under the run folder's lock, and hand
-        the decision to every process, so that all continue from the same checkpoint even where
-        the run folder is not on a shared filesystem."""
-        if self._run is not None:
-            if (resume, bool(overwrite)) != self._opened_with:
-                raise InputError(f"the run folder was opened with resume={self._opened_with[0]!r}"
-                                 f", overwrite={self._opened_with[1]}; give resume/overwrite to "
-                                 f"Trainer(...) or to train(), not different values to both")
-            return
-        signature = json_roundtrip(resume_signature(self.config))
-
-        def work() -> dict:
-            self._lock.acquire()
-            try:
-                return ckpt.open_run(self.run_dir, resume=resume, overwrite=bool(overwrite),
-                                     signature=signature, name=self.config.name)
-            except BaseException:
-                self._lock.release()
-                raise
-
-        self._run = self.main_only("checking the run folder", work)
-        self._opened_with = (resume, bool(overwrite))
-        if self.accelerator.is_main_process:
-            for note in ([self._lock.note] if self._lock.note else []) + self._run["notes"]:
-                print(f"{self.run_dir}: {note}", flush=True)
-
-    def resume(self, checkpoint: str | Path) -> None:
-        """Load ``checkpoint`` into every process: a folder (``train`` passes the one
-        ``open_run`` chose and checked), or "latest" / "auto" resolved on the main process."""
-        if str(checkpoint) in ("latest", "auto"):
-            found = self.main_only("resume", lambda: ckpt.resolve_resume(str(checkpoint),
-                                                                         self.run_dir))
-            if found is None:
-                return
-            checkpoint = found
-        path = Path(checkpoint)
-        state = ckpt.load_checkpoint(path, require_trainable=not self.sharded)
-        saved_engine = state["state"].get("engine", "single")
-        if self.sharded or saved_engine in ("fsdp", "deepspeed"):
-            if saved_engine != self.engine:
-                raise ValueError(f"checkpoint {path} was written under {saved_engine}; resume it "
-                                 f"under the same engine (this run: {self.engine})")
-            self.accelerator.load_state(str(path / "engine"))
-        else:
-            missing = set(self.trainable) - set(state["trainable"])
-            if missing:
-                raise ValueError(f"checkpoint {path} does not match this model/LoRA config: "
-                                 f"{len(missing)} trainable tensors missing (e.g. "
-                                 f"{sorted(missing)[0]})")
-            with torch.no_grad():
-                for name, param in self.trainable.items():
-                    param.copy_(state["trainable"][name])
-            self.optimizer.load_state_dict(state["optimizer"])
-        if self.ema is not None and state["ema"] is not None:
-            self.ema.load(state["ema"], state["state"]["ema"])
-        if self.accelerator.scaler is not None and "grad_scaler" in state["state"]:
-            self.accelerator.scaler.load_state_dict(state["state"]["grad_scaler"])
-        torch.set_rng_state(state["rng"])
-        self.start_iteration = int(state["state"]["iteration"])
-        if self.config.training.gardo.refresh:
-            self.resume_reference(path, state["state"])
-        if self.best is not None:
-            self.restore_best(state["state"].get("best"))
-        if self.curriculum is not None:
-            if "curriculum" in state["state"]:
-                self.curriculum.load_state_dict(state["state"]["curriculum"])
-            else:
-                print(f"checkpoint {path} has no curriculum state (saved without "
-                      f"prompts.curriculum): the curriculum starts from its prior", flush=True)
-        self.check_replicas(f"resuming from {path}")
-
-    def resume_reference(self, path: Path, state: dict) -> None:
-        """The refreshed KL reference of checkpoint ``path`` (training.gardo.refresh_every /
-        refresh_kl): its weights and the iteration they were taken at."""
-        if "reference_refreshed_at" not in state:
-            if self.accelerator.is_main_process:
-                print(f"checkpoint {path} has no KL reference state (saved without "
-                      f"training.gardo.refresh_every / refresh_kl): the reference is the "
-                      f"initial model until the next refresh", flush=True)
-            return
-        at = state["reference_refreshed_at"]
-        self.reference_refreshed_at = None if at is None else int(at)
-        if at is not None:
-            from safetensors.torch import load_file
-
-            if not (path / ckpt.REFERENCE).is_file():
-                raise InputError(f"checkpoint {path} says the KL reference was refreshed at "
-                                 f"iteration {at} but has no {ckpt.REFERENCE}; resume from "
-                                 f"another checkpoint")
-            self.policy.load_reference_state(load_file(str(path / ckpt.REFERENCE)))
-
-    def restore_best(self, saved: dict | None) -> None:
-        """After loading a checkpoint: take over its record of the best evaluation (same
-        run.select_best_on and mode), and make checkpoints/best/ agree with it. A best folder
-        written after the resumed iteration belongs to the continuation being replaced: it is
-        set aside under checkpoints/superseded-*/ (as later numbered checkpoints are)."""
-        restored = self.best.load_state_dict(saved)
-
-        def reconcile() -> None:
-            notes = []
-            if saved and not restored:
-                notes.append(f"the checkpoint's best record is for {saved.get('key')!r} "
-                             f"({saved.get('mode')}); run.select_best_on is now "
-                             f"{self.best.key!r} ({self.best.mode}): its best starts afresh")
-            folder = self.run_dir / "checkpoints" / ckpt.BEST
-            if folder.is_dir():
-                held = int(ckpt.read_state(folder)["iteration"])
-                if held > self.start_iteration:
-                    moved = ckpt.set_aside(self.run_dir, ckpt.BEST)
-                    record = self.run_dir / "checkpoints" / ckpt.BEST_RECORD
-                    if record.is_file():
-                        os.replace(record, moved.parent / ckpt.BEST_RECORD)
-                    notes.append(f"checkpoints/best (iteration {held}) came after the resumed "
-                                 f"iteration {self.start_iteration}: moved to {moved}")
-                    if restored and self.best.iteration is not None:
-                        notes.append(f"the best so far stays iteration {self.best.iteration} "
-                                     f"({self.best.key} {self.best.value:.4g}); its weights "
-                                     f"are saved again at the next new best")
-                elif restored and held == self.best.iteration:
-                    ckpt.write_json_atomic(self.run_dir / "checkpoints" / ckpt.BEST_RECORD,
-                                           self.best.state_dict())
-            for note in notes:
-                print(f"{self.run_dir}: {note}", flush=True)
-
-        self.main_only("reconciling checkpoints/best", reconcile)
-
     # ------------------------------------------------------------------ the run
-    def log(self, record: dict) -> None:
-        self.history.append(record)
-        if self.accelerator.is_main_process:
-            append_record(self.run_dir / ckpt.METRICS, record)
-            if self.tracker != "none":
-                scalars = {k: v for k, v in record.items()
-                           if isinstance(v, (int, float)) and k != "iteration"}
-                self.accelerator.log(scalars, step=record["iteration"])
-
-    def eval_and_log(self, iteration: int) -> None:
-        """Evaluate -> log (metrics.jsonl, tracker scalars) -> print a line, redraw curves.png,
-        send the samples to the tracker -> keep checkpoints/best/ when run.select_best_on
-        improved (every process decides alike: the metrics are gathered)."""
-        # Every process evaluates its share of the held-out rows (the policy gathers them).
-        metrics = self.everywhere(f"evaluation at {iteration}", lambda: self.evaluate(iteration))
-        record = {"iteration": iteration, "phase": "eval", **(metrics or {})}
-        self.log(record)
-        if metrics:
-            self.main_only(f"curves and samples of evaluation {iteration}",
-                           lambda: self.report_evaluation(iteration, record))
-        if self.best is not None and metrics and self.best.observe(iteration, metrics):
-            self.save(iteration, folder=ckpt.BEST)
-
-    def report_evaluation(self, iteration: int, record: dict) -> None:
-        """Main process: the evaluation's line on the console, ``curves.png`` redrawn from the
-        whole metrics log, the evaluation samples to the tracker."""
-        from tqdm.auto import tqdm
-
-        from flowgrpo.curves import CURVES, write_curves
-        from flowgrpo.eval_media import log_eval_media
-
-        tqdm.write(eval_line(iteration, record, self.directions, self.heldout_keys))
-        write_curves(read_records(self.run_dir / ckpt.METRICS), self.run_dir / CURVES,
-                     self.directions, self.heldout_keys)
-        if self.tracker != "none":
-            log_eval_media(self.accelerator, self.tracker, self.run_dir / "samples", iteration)
-
     def train(self, resume: str | None = None, overwrite: bool | None = None) -> list[dict]:
         """Run to ``run.max_iterations``. ``resume``: None (a new run), "latest" (the newest
         complete checkpoint of this run; an error when there is none), "auto" (the newest, or a
@@ -863,8 +439,6 @@ class Trainer:
             self._lock.release()
 
     def _train(self) -> list[dict]:
-        from tqdm.auto import tqdm
-
         cfg = self.config
         self.accelerator.wait_for_everyone()
         if self._run["checkpoint"] is not None:
@@ -921,14 +495,6 @@ class Trainer:
         if self.accelerator.is_main_process:
             self.print_summary(time.perf_counter() - began)
         return self.history
-
-    def print_summary(self, seconds: float) -> None:
-        print(summary_line(self.config.name, self.history, seconds, self.run_dir,
-                           directions=self.directions, heldout=self.heldout_keys,
-                           best=self.best.state_dict() if self.best is not None else None,
-                           stopped_early=self.stopped_early,
-                           patience=self.config.run.early_stop_patience), flush=True)
-
 
 def _flatten(tree: dict, prefix: str = "") -> dict:
     out = {}

@@ -1,19 +1,26 @@
-"""Model adapters: one per family, each implementing ``pipelines.base.FlowModel``.
+"""Model adapters: one per family, each implementing ``flowgrpo.model.FlowModel``.
 
 ``load_model(family, path_or_hub_id, ...)`` is the one entry point the trainer and the CLIs use.
 Families map to their adapter class by dotted path, imported on first use, so listing them
-imports nothing heavy.
+imports nothing heavy. This registry owns the family names and their options:
+``check_model_config`` checks a config's ``model.family`` and ``model.options`` at config load.
 """
 from __future__ import annotations
 
-import importlib
 import os
+from typing import Any, Mapping
 
 import torch
 
+from flowgrpo.checks import choice
+from flowgrpo.dotted import import_dotted
+from flowgrpo.errors import ConfigError
 from flowgrpo.model import Conditioning, FlowModel
+from pipelines.base import check_model_source as check_diffusers_source
+from pipelines.base import parse_options
 
-# family -> "module:Class" of its adapter (each class has a ``from_pretrained`` classmethod).
+# family -> "module:Class" of its adapter (each class has a ``from_pretrained`` classmethod and
+# its options dataclass as ``options_class``).
 MODEL_FAMILIES: dict[str, str] = {
     "sd3": "pipelines.sd3:SD3Model",
     "flux": "pipelines.flux:FluxModel",
@@ -24,35 +31,16 @@ MODEL_FAMILIES: dict[str, str] = {
     "toy": "pipelines.toy:ToyFlowModel",
 }
 
-# family -> "module:Class" of its options dataclass (for CLIs that print option help texts).
-MODEL_OPTIONS: dict[str, str] = {
-    "sd3": "pipelines.sd3:SD3Options",
-    "flux": "pipelines.flux:FluxOptions",
-    "flux_kontext": "pipelines.flux:FluxOptions",
-    "wan": "pipelines.wan:WanOptions",
-    "qwen_image": "pipelines.qwen_image:QwenImageOptions",
-    "qwen_image_edit": "pipelines.qwen_image:QwenImageOptions",
-    "toy": "pipelines.toy:ToyOptions",
-}
-
-
-def _import(dotted: str) -> type:
-    module, name = dotted.split(":")
-    return getattr(importlib.import_module(module), name)
-
-
 def model_class(family: str) -> type:
     """The adapter class of ``family``."""
     if family not in MODEL_FAMILIES:
         raise ValueError(f"unknown model family {family!r}; known families are {sorted(MODEL_FAMILIES)}")
-    return _import(MODEL_FAMILIES[family])
+    return import_dotted(MODEL_FAMILIES[family], "model family")
 
 
 def options_class(family: str) -> type:
-    """The options dataclass of ``family``."""
-    if family not in MODEL_OPTIONS:
-        raise ValueError(f"unknown model family {family!r}; known families are {sorted(MODEL_OPTIONS)}")
-    return _import(MODEL_OPTIONS[family])
+    """The options dataclass of ``family`` (its adapter's ``options_class``)."""
+    return model_class(family).options_class
 
 
 def check_model_source(family: str, path_or_hub_id: str | os.PathLike,
@@ -63,9 +51,21 @@ def check_model_source(family: str, path_or_hub_id: str | os.PathLike,
     model_class(family)            # an unknown family names the known ones
     if family == "toy":
         return
-    from pipelines.base import check_model_source as check
+    check_diffusers_source(path_or_hub_id, family, field)
 
-    check(path_or_hub_id, family, field)
+
+def check_model_config(family: str, options: Mapping[str, Any]) -> None:
+    """``model.family`` and ``model.options`` of a config, at config load: the family is one of
+    ``MODEL_FAMILIES`` and the options parse into its options dataclass (names, types, ranges).
+    What needs the checkpoint (sizes against its VAE and patch size, options of one variant
+    such as Wan2.2's) is checked when it loads. Raises ConfigError naming the field."""
+    choice(family, tuple(MODEL_FAMILIES), "model.family")
+    try:
+        parse_options(options_class(family), dict(options), family)
+    except (TypeError, ValueError) as err:
+        message = str(err)   # the options' own messages name "options.<key>"
+        raise ConfigError(f"model.{message}" if message.startswith("options.")
+                          else f"model.options: {message}") from None
 
 
 def load_model(family: str, path_or_hub_id: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
@@ -83,5 +83,5 @@ def load_model(family: str, path_or_hub_id: str | os.PathLike, *, dtype: torch.d
     return cls.from_pretrained(os.fspath(path_or_hub_id), dtype=dtype, device=device, options=options)
 
 
-__all__ = ["Conditioning", "FlowModel", "MODEL_FAMILIES", "MODEL_OPTIONS", "check_model_source",
-           "load_model", "model_class", "options_class"]
+__all__ = ["Conditioning", "FlowModel", "MODEL_FAMILIES", "check_model_config",
+           "check_model_source", "load_model", "model_class", "options_class"]

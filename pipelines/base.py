@@ -4,6 +4,7 @@ The interface they implement, ``FlowModel``, lives in the core (``flowgrpo/model
 """
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import json
@@ -13,12 +14,15 @@ import typing
 from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any, Callable, ClassVar, Iterator, Mapping
 
 import torch
 from torch import Tensor
 
 from flowgrpo.dtypes import DTYPE_NAMES, parse_dtype
+from flowgrpo.errors import InputError
+from flowgrpo.hub import require_hub_file
 from flowgrpo.model import Conditioning
 
 
@@ -28,6 +32,8 @@ from flowgrpo.model import Conditioning
 # CPU offloading, attention backend, LoRA target checks and LoRA saving. Nothing here samples.
 # ================================================================================================
 ATTENTION_BACKENDS = ("sdpa", "xformers")
+# The file of a checkpoint's LoRA, as the stock pipelines' save_lora_weights / load_lora_weights name it.
+LORA_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
@@ -105,6 +111,13 @@ def parse_options(options_class: type, options: Any, family: str) -> Any:
         if not _matches_type(value, hints[key]):
             raise TypeError(f"options.{key} must be {hints[key]} (got {value!r})")
     return options_class(**options)
+
+
+def resolve_size(options: Any, defaults: Mapping[str, int]) -> Any:
+    """``options`` with each size field that is None (height, width, num_frames) set to its
+    default in ``defaults``: the size the family's stock pipeline samples at when given none."""
+    missing = {name: value for name, value in defaults.items() if getattr(options, name) is None}
+    return dataclasses.replace(options, **missing) if missing else options
 
 
 def resolve_dtype(name: str | None, default: torch.dtype) -> torch.dtype:
@@ -189,9 +202,6 @@ def check_model_source(path_or_hub_id: str | os.PathLike, family: str,
     whose model_index.json cannot be read (offline without a cached copy, a gated repository
     without an accepted license and login, a wrong id; ``flowgrpo.hub``). Reads no weights, so a
     trainer calls it before anything else loads. Raises ``InputError``."""
-    from flowgrpo.config import InputError
-    from flowgrpo.hub import require_hub_file
-
     source = os.fspath(path_or_hub_id)
     what = f"a diffusers pipeline of family {family!r}"
     if not is_local_path(source):
@@ -334,7 +344,69 @@ def cat_rows(rows: list[Tensor]) -> Tensor:
                       for r in rows])
 
 
-class DiffusersFlowModel:
+class TransformerTraining:
+    """What the flow policy needs to train an adapter's transformer (``flowgrpo.model.FlowModel``'s
+    training methods), on diffusers models with PEFT: every family's transformer is one.
+    ``denoisers()`` lists the diffusers models inside ``transformer`` (itself; Wan2.2's two
+    experts) and ``trained_denoisers()`` those that train; an adapter with several overrides
+    them and, where its files differ, ``lora_state_dict`` / ``save_full_weights``."""
+
+    transformer: torch.nn.Module
+
+    def denoisers(self, module: torch.nn.Module | None = None) -> list[torch.nn.Module]:
+        """The diffusers models inside ``module`` (default: this adapter's transformer)."""
+        return [self.transformer if module is None else module]
+
+    def trained_denoisers(self) -> list[torch.nn.Module]:
+        """The denoisers that LoRA wraps and full fine-tuning unfreezes."""
+        return self.denoisers()
+
+    def enable_gradient_checkpointing(self) -> None:
+        for denoiser in self.denoisers():
+            denoiser.enable_gradient_checkpointing()
+
+    def train_full_weights(self) -> None:
+        """Full fine-tuning: the weights of the trained denoisers require gradients."""
+        for denoiser in self.trained_denoisers():
+            denoiser.requires_grad_(True)
+
+    def add_lora(self, rank: int, alpha: int, target_modules: list[str], init: str) -> None:
+        """A LoRA adapter (rank, alpha, PEFT target names; ``init`` "gaussian" or "default",
+        PEFT's Kaiming A and zero B) on each trained denoiser."""
+        from peft import LoraConfig   # peft takes seconds to import
+
+        for denoiser in self.trained_denoisers():
+            denoiser.add_adapter(LoraConfig(
+                r=rank, lora_alpha=alpha, target_modules=list(target_modules),
+                init_lora_weights="gaussian" if init == "gaussian" else True))
+
+    def _adapted(self) -> list[torch.nn.Module]:
+        return [d for d in self.denoisers() if getattr(d, "_hf_peft_config_loaded", False)]
+
+    def disable_lora(self) -> None:
+        """Run the base weights (the KL reference of a LoRA run) until ``enable_lora``."""
+        for denoiser in self._adapted():
+            denoiser.disable_adapters()
+
+    def enable_lora(self) -> None:
+        for denoiser in self._adapted():
+            denoiser.enable_adapters()
+
+    def lora_state_dict(self, state_dict: dict[str, Tensor] | None = None) -> dict[str, Tensor]:
+        """The LoRA weights in PEFT's format (what ``save_lora_weights`` takes); ``state_dict``:
+        the transformer's consolidated state under a sharded engine."""
+        from peft import get_peft_model_state_dict   # peft takes seconds to import
+
+        return get_peft_model_state_dict(self.transformer, state_dict=state_dict)
+
+    def save_full_weights(self, folder: str | os.PathLike,
+                          state_dict: dict[str, Tensor] | None = None) -> None:
+        """The full fine-tuned transformer under ``folder/transformer`` (``from_pretrained``-
+        loadable); ``state_dict`` as in ``lora_state_dict``."""
+        self.transformer.save_pretrained(Path(folder) / "transformer", state_dict=state_dict)
+
+
+class DiffusersFlowModel(TransformerTraining):
     """Common body of the diffusers-backed adapters. A family subclass sets the class attributes,
     builds its components in ``from_pretrained`` and implements ``_encode_batch``,
     ``initial_noise``, ``sigmas``, ``velocity`` and ``decode``.
@@ -364,8 +436,7 @@ class DiffusersFlowModel:
     # ------------------------------------------------------------------------- setup
     def _configure(self) -> None:
         """Devices, training switches and memory options (called once by ``__init__``)."""
-        self.transformer.to(self.device).requires_grad_(False)
-        apply_attention_backend(self.transformer, self.options.attention_backend)
+        self.configure_transformer(self.transformer)
         for name in self.text_encoder_names:
             encoder = self.components.get(name)
             if encoder is not None:
@@ -378,6 +449,13 @@ class DiffusersFlowModel:
             vae.enable_slicing()
         if self.options.vae_tiling:
             vae.enable_tiling()
+
+    def configure_transformer(self, module: torch.nn.Module) -> None:
+        """A transformer this adapter runs (its own, or a full fine-tune swapped in for it): on
+        the device, frozen, with the options' attention backend."""
+        module.to(self.device).requires_grad_(False)
+        for denoiser in self.denoisers(module):
+            apply_attention_backend(denoiser, self.options.attention_backend)
 
     @property
     def pipeline_class(self) -> type:
@@ -497,8 +575,8 @@ class DiffusersFlowModel:
         (``pytorch_lora_weights.safetensors``, keys 'transformer.<module>.lora_A/B.weight', the
         LoraConfig as metadata), so ``pipe.load_lora_weights(directory)`` restores it exactly."""
         if not transformer_lora_state_dict:
-            raise ValueError("transformer_lora_state_dict is empty; pass "
-                             "peft.get_peft_model_state_dict(model.transformer)")
+            raise ValueError("transformer_lora_state_dict is empty; pass model.lora_state_dict() "
+                             "(peft.get_peft_model_state_dict of the transformer)")
         state_dict = strip_peft_wrapper_prefix(transformer_lora_state_dict)
         self.pipeline_class.save_lora_weights(
             directory, transformer_lora_layers=state_dict,

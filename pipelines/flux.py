@@ -18,7 +18,6 @@ Family quirks, all checked against ``FluxPipeline``:
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -27,7 +26,7 @@ from torch import Tensor
 from flowgrpo.model import Conditioning
 from pipelines.base import (AdapterOptions, DiffusersFlowModel, check_divisible,
                             check_pipeline_folder, parse_options, require_attention_backend,
-                            resolve_dtype, text_model_dtype)
+                            resolve_dtype, resolve_size, text_model_dtype)
 
 # PEFT targets. Double-stream blocks: image (to_*) and text (add_*_proj, to_add_out) attention
 # projections and both feed-forwards. Single-stream blocks: their q/k/v (matched by the same
@@ -92,6 +91,7 @@ class FluxModel(DiffusersFlowModel):
     """FLUX.1 adapter. Build with ``FluxModel.from_pretrained(path_or_hub_id, ...)``."""
 
     family = "flux"
+    options_class = FluxOptions
     pipeline_class_path = "diffusers:FluxPipeline"
     text_encoder_names = ("text_encoder", "text_encoder_2")
     has_real_cfg = False
@@ -100,7 +100,7 @@ class FluxModel(DiffusersFlowModel):
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
         targets = flux_lora_target_modules(transformer.config.num_single_layers)
         self.vae_scale_factor = 2 ** (len(components["vae"].config.block_out_channels) - 1)
-        options = resolve_size(options, self.vae_scale_factor)
+        options = resolve_size(options, default_size(self.vae_scale_factor))
         super().__init__(transformer, components, options, targets, device, dtype)
         _check_sizes(options, self.vae_scale_factor, transformer.config.patch_size)
         self.scheduler_config = dict(components["scheduler"].config)
@@ -127,7 +127,7 @@ class FluxModel(DiffusersFlowModel):
         transformer_config = FluxTransformer2DModel.load_config(path_or_hub_id, subfolder="transformer")
         vae_config = AutoencoderKL.load_config(path_or_hub_id, subfolder="vae")
         vae_scale_factor = 2 ** (len(vae_config["block_out_channels"]) - 1)
-        options = resolve_size(options, vae_scale_factor)
+        options = resolve_size(options, default_size(vae_scale_factor))
         _check_sizes(options, vae_scale_factor, transformer_config["patch_size"])
 
         text_dtype = resolve_dtype(options.text_encoder_dtype, dtype)
@@ -226,15 +226,11 @@ class FluxModel(DiffusersFlowModel):
 PIPELINE_DEFAULT_SAMPLE_SIZE = 128
 
 
-def resolve_size(options: FluxOptions, vae_scale_factor: int) -> FluxOptions:
-    """``options`` with height/width filled in where None: FluxPipeline's default size,
-    ``PIPELINE_DEFAULT_SAMPLE_SIZE * vae_scale_factor``. A helper the image adapters could share
-    (pipelines/base.py); kept here while base.py is being changed elsewhere."""
-    if options.height is not None and options.width is not None:
-        return options
+def default_size(vae_scale_factor: int) -> dict[str, int]:
+    """The size FluxPipeline samples at when given none: ``PIPELINE_DEFAULT_SAMPLE_SIZE *
+    vae_scale_factor`` a side."""
     side = PIPELINE_DEFAULT_SAMPLE_SIZE * vae_scale_factor
-    return dataclasses.replace(options, height=side if options.height is None else options.height,
-                               width=side if options.width is None else options.width)
+    return {"height": side, "width": side}
 
 
 def _check_sizes(options: FluxOptions, vae_scale_factor: int, patch_size: int) -> None:

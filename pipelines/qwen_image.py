@@ -32,7 +32,8 @@ from torch import Tensor
 from flowgrpo.model import Conditioning
 from pipelines.base import (AdapterOptions, DiffusersFlowModel, check_divisible,
                             check_pipeline_folder, parse_options, read_model_index,
-                            require_attention_backend, resolve_dtype, text_model_dtype)
+                            require_attention_backend, resolve_dtype, resolve_size,
+                            text_model_dtype)
 from pipelines.flux import pack_latents, unpack_latents
 
 # PEFT targets as in Flow-GRPO's Qwen-Image training (scripts/train_qwenimage_edit_plus.py of
@@ -91,6 +92,7 @@ class QwenImageModel(DiffusersFlowModel):
     """Qwen-Image adapter. Build with ``QwenImageModel.from_pretrained(path_or_hub_id, ...)``."""
 
     family = "qwen_image"
+    options_class = QwenImageOptions
     pipeline_class_path = "diffusers:QwenImagePipeline"
     text_encoder_names = ("text_encoder",)
     has_real_cfg = True
@@ -100,7 +102,7 @@ class QwenImageModel(DiffusersFlowModel):
         super().__init__(transformer, components, options, QWEN_IMAGE_LORA_TARGET_MODULES, device, dtype)
         _check_transformer_config(dict(transformer.config))
         self.vae_scale_factor = 2 ** len(self.vae.config.temperal_downsample)
-        self.height, self.width = _resolve_size(options, dict(transformer.config), self.vae_scale_factor)
+        self.height, self.width = _image_size(options, dict(transformer.config), self.vae_scale_factor)
         self.latent_height = self.height // self.vae_scale_factor
         self.latent_width = self.width // self.vae_scale_factor
         self.scheduler_config = dict(components["scheduler"].config)
@@ -141,7 +143,7 @@ class QwenImageModel(DiffusersFlowModel):
         transformer_config = QwenImageTransformer2DModel.load_config(path_or_hub_id, subfolder="transformer")
         _check_transformer_config(transformer_config)
         vae_config = AutoencoderKLQwenImage.load_config(path_or_hub_id, subfolder="vae")
-        height, width = _resolve_size(options, transformer_config,
+        height, width = _image_size(options, transformer_config,
                                       2 ** len(vae_config.get("temperal_downsample", [False, True, True])))
         # Resolved here, where the raw config (with any sample_size) is at hand: the loaded
         # model's config keeps only its constructor's fields.
@@ -290,17 +292,16 @@ def _fit_text(text: dict[str, Tensor], length: int) -> dict[str, Tensor]:
     return out
 
 
-def _resolve_size(options: QwenImageOptions, transformer_config: dict, vae_scale_factor: int
+def _image_size(options: QwenImageOptions, transformer_config: dict, vae_scale_factor: int
                   ) -> tuple[int, int]:
     """(height, width) in pixels: the options, or the checkpoint's default for None; both
     checked divisible by VAE factor x 2 (the 2x2 packing)."""
-    sample_size = transformer_config.get("sample_size") or PIPELINE_DEFAULT_SAMPLE_SIZE
-    height = options.height if options.height is not None else sample_size * vae_scale_factor
-    width = options.width if options.width is not None else sample_size * vae_scale_factor
+    side = (transformer_config.get("sample_size") or PIPELINE_DEFAULT_SAMPLE_SIZE) * vae_scale_factor
+    resolved = resolve_size(options, {"height": side, "width": side})
     why = f"VAE factor {vae_scale_factor} x 2x2 packing"
-    check_divisible(height, vae_scale_factor * 2, "height", "qwen_image", why)
-    check_divisible(width, vae_scale_factor * 2, "width", "qwen_image", why)
-    return height, width
+    check_divisible(resolved.height, vae_scale_factor * 2, "height", "qwen_image", why)
+    check_divisible(resolved.width, vae_scale_factor * 2, "width", "qwen_image", why)
+    return resolved.height, resolved.width
 
 
 def _check_transformer_config(config: dict) -> None:

@@ -16,7 +16,6 @@ Family quirks, all checked against ``StableDiffusion3Pipeline``:
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -25,7 +24,7 @@ from torch import Tensor
 from flowgrpo.model import Conditioning, guided_velocity
 from pipelines.base import (AdapterOptions, DiffusersFlowModel, check_divisible,
                             check_pipeline_folder, parse_options, require_attention_backend,
-                            resolve_dtype, text_model_dtype)
+                            resolve_dtype, resolve_size, text_model_dtype)
 
 # PEFT targets: the joint attention projections of every block, image stream (to_*) and text
 # stream (add_*_proj, to_add_out). The last block has no to_add_out (context_pre_only) and
@@ -68,6 +67,7 @@ class SD3Model(DiffusersFlowModel):
     """SD3/SD3.5 adapter. Build with ``SD3Model.from_pretrained(path_or_hub_id, ...)``."""
 
     family = "sd3"
+    options_class = SD3Options
     pipeline_class_path = "diffusers:StableDiffusion3Pipeline"
     text_encoder_names = ("text_encoder", "text_encoder_2", "text_encoder_3")
     has_real_cfg = True
@@ -75,7 +75,7 @@ class SD3Model(DiffusersFlowModel):
     def __init__(self, transformer: torch.nn.Module, components: dict, options: SD3Options,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
         self.vae_scale_factor = 2 ** (len(components["vae"].config.block_out_channels) - 1)
-        options = resolve_size(options, dict(transformer.config), self.vae_scale_factor)
+        options = resolve_size(options, default_size(dict(transformer.config), self.vae_scale_factor))
         super().__init__(transformer, components, options, SD3_LORA_TARGET_MODULES, device, dtype)
         _check_sizes(options, self.vae_scale_factor, transformer.config.patch_size)
         self.scheduler_config = dict(components["scheduler"].config)
@@ -103,7 +103,7 @@ class SD3Model(DiffusersFlowModel):
         transformer_config = SD3Transformer2DModel.load_config(path_or_hub_id, subfolder="transformer")
         vae_config = AutoencoderKL.load_config(path_or_hub_id, subfolder="vae")
         vae_scale_factor = 2 ** (len(vae_config["block_out_channels"]) - 1)
-        options = resolve_size(options, transformer_config, vae_scale_factor)
+        options = resolve_size(options, default_size(transformer_config, vae_scale_factor))
         _check_sizes(options, vae_scale_factor, transformer_config["patch_size"])
         scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(path_or_hub_id, subfolder="scheduler")
         _check_scheduler_config(dict(scheduler.config))
@@ -196,18 +196,12 @@ class SD3Model(DiffusersFlowModel):
         return (images.float() * 0.5 + 0.5).clamp(0.0, 1.0)
 
 
-def resolve_size(options: SD3Options, transformer_config: dict, vae_scale_factor: int
-                 ) -> SD3Options:
-    """``options`` with height/width filled in where None: the checkpoint's size,
-    ``transformer_config["sample_size"] * vae_scale_factor``, what StableDiffusion3Pipeline
-    samples at by default (its default_sample_size is the transformer's sample_size). A helper
-    every image adapter could share (pipelines/base.py); kept here while base.py is being
-    changed elsewhere."""
-    if options.height is not None and options.width is not None:
-        return options
+def default_size(transformer_config: dict, vae_scale_factor: int) -> dict[str, int]:
+    """The size StableDiffusion3Pipeline samples at when given none: the checkpoint's,
+    ``transformer_config["sample_size"] * vae_scale_factor`` (its default_sample_size is the
+    transformer's sample_size)."""
     side = int(transformer_config.get("sample_size") or 128) * vae_scale_factor
-    return dataclasses.replace(options, height=side if options.height is None else options.height,
-                               width=side if options.width is None else options.width)
+    return {"height": side, "width": side}
 
 
 def _check_sizes(options: SD3Options, vae_scale_factor: int, patch_size: int) -> None:

@@ -31,6 +31,7 @@ from torch import Tensor
 
 from flowgrpo.model import Conditioning, guided_velocity
 from flowgrpo.toyworld.grammar import VOCABULARY
+from pipelines.base import TransformerTraining, lora_adapter_metadata, parse_options
 
 TOY_CONFIG_NAME = "toy_config.json"
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[BOS]", "[EOS]")   # ids 0..3; EOS != 2 (CLIP's legacy pooling)
@@ -138,10 +139,11 @@ def _shifted(sigmas: Tensor, shift: float) -> Tensor:
     return shift * sigmas / (1 + (shift - 1) * sigmas)
 
 
-class ToyFlowModel:
+class ToyFlowModel(TransformerTraining):
     """FlowModel for the toy world (see module docstring). Sampling lives in ``flowgrpo.sde``."""
 
     family = "toy"
+    options_class = ToyOptions
     lora_target_modules = list(SD3_LORA_TARGET_MODULES)
 
     def __init__(self, transformer, text_encoder, tokenizer, defaults: ToySamplingDefaults,
@@ -168,12 +170,7 @@ class ToyFlowModel:
         if not os.path.isdir(path):
             raise ValueError(f"path must be a toy model folder (got {path!r}, which is not a directory); "
                              "create one with scripts/pretrain_toy.py")
-        if isinstance(options, dict):
-            unknown = set(options) - {f.name for f in fields(ToyOptions)}
-            if unknown:
-                raise ValueError(f"options has unknown fields {sorted(unknown)}; "
-                                 f"use {[f.name for f in fields(ToyOptions)]}")
-            options = ToyOptions(**options)
+        options = parse_options(ToyOptions, options, cls.family)
         transformer = SD3Transformer2DModel.from_pretrained(path, subfolder="transformer", torch_dtype=dtype)
         text_encoder = CLIPTextModelWithProjection.from_pretrained(path, subfolder="text_encoder",
                                                                    dtype=dtype)
@@ -186,6 +183,10 @@ class ToyFlowModel:
         transformer.to(device).eval().requires_grad_(False)
         text_encoder.to(device).eval().requires_grad_(False)
         return cls(transformer, text_encoder, tokenizer, defaults, options)
+
+    def configure_transformer(self, module: torch.nn.Module) -> None:
+        """A transformer this adapter runs (a full fine-tune swapped in): on the device, frozen."""
+        module.to(self.device).requires_grad_(False)
 
     def save_pretrained(self, path: str) -> None:
         """Write every component (safetensors) and ``toy_config.json`` under ``path``."""
@@ -208,12 +209,10 @@ class ToyFlowModel:
         from diffusers import StableDiffusion3Pipeline
 
         if not transformer_lora_state_dict:
-            raise ValueError("transformer_lora_state_dict is empty; pass "
-                             "peft.get_peft_model_state_dict(transformer)")
+            raise ValueError("transformer_lora_state_dict is empty; pass model.lora_state_dict() "
+                             "(peft.get_peft_model_state_dict of the transformer)")
         if lora_config is None and getattr(self.transformer, "peft_config", None):
             # The adapter the trainer added: its alpha must survive (as in the SD3 adapter).
-            from pipelines.base import lora_adapter_metadata
-
             lora_config = lora_adapter_metadata(self.transformer)
         metadata = lora_config.to_dict() if hasattr(lora_config, "to_dict") else lora_config
         if metadata is not None and not isinstance(metadata, dict):

@@ -18,29 +18,30 @@ Family quirks, all checked against ``WanPipeline``:
   architecture, ``transformer`` for high noise and ``transformer_2`` for low noise; a step whose
   timestep t = 1000 sigma is >= boundary_ratio * num_train_timesteps runs the first, any other the
   second, with ``guidance_scale_2`` (default: the same scale) as the low-noise expert's CFG scale.
-  Both live in one ``WanExperts`` module, the adapter's ``transformer``: what LoRA wraps, the
-  optimiser trains and DDP / checkpoints see; its forward picks the expert per row.
-  ``train_experts`` chooses which experts carry LoRA / train. LoRA is written as one file per
-  trained expert, each loadable by the stock pipeline (``load_wan22_lora``). Wan2.2's TI2V-5B
-  (``expand_timesteps``) and image-to-video pipelines are not supported.
+  Both live in one ``WanExperts`` module (``pipelines/wan22.py``), the adapter's
+  ``transformer``: what the optimiser trains and DDP / checkpoints see; its forward picks the
+  expert per row. ``train_experts`` chooses which experts carry LoRA / train. LoRA is written as
+  one file per trained expert, each loadable by the stock pipeline (``load_wan22_lora``). Wan2.2's
+  TI2V-5B (``expand_timesteps``) and image-to-video pipelines are not supported.
 """
 from __future__ import annotations
 
-import copy
 import inspect
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from flowgrpo.model import Conditioning
-from pipelines.base import (AdapterOptions, DiffusersFlowModel, check_divisible,
-                            check_pipeline_folder, is_local_path, lora_adapter_metadata,
-                            parse_options, read_model_index, require_attention_backend,
-                            resolve_dtype, strip_peft_wrapper_prefix, text_model_dtype)
+from pipelines.base import (LORA_WEIGHTS_NAME, AdapterOptions, DiffusersFlowModel,
+                            check_divisible, check_pipeline_folder, is_local_path, parse_options,
+                            read_model_index, require_attention_backend, resolve_dtype,
+                            resolve_size, text_model_dtype)
+from pipelines.wan22 import (EXPERT_NAMES, LOW_NOISE_LORA_WEIGHTS_NAME, TRAIN_EXPERTS, WanExperts,
+                             check_pipeline_index, check_wan22_options, expert_state,
+                             save_expert_lora, save_experts_full)
 
 # PEFT targets: self-attention (attn1) and text cross-attention (attn2) projections and the
 # feed-forward of every block.
@@ -48,13 +49,6 @@ WAN_LORA_TARGET_MODULES = ["attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_o
                            "attn2.to_q", "attn2.to_k", "attn2.to_v", "attn2.to_out.0",
                            "ffn.net.0.proj", "ffn.net.2"]
 
-# Wan2.2's LoRA files: the high-noise expert's under diffusers' default name (``load_lora_weights
-# (folder)`` puts it into ``transformer``), the low-noise expert's under its own name (loaded with
-# ``load_into_transformer_2=True``). Each holds 'transformer.<module>.lora_A/B.weight' keys, as the
-# stock loader expects for either expert.
-LORA_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"
-LOW_NOISE_LORA_WEIGHTS_NAME = "pytorch_lora_weights_transformer_2.safetensors"
-TRAIN_EXPERTS = ("both", "high", "low")
 
 
 @dataclass
@@ -112,11 +106,15 @@ def pipeline_default_size() -> tuple[int, int, int]:
     return tuple(int(parameters[name].default) for name in ("height", "width", "num_frames"))
 
 
-def resolve_size(options: WanOptions) -> tuple[int, int, int]:
+def default_size() -> dict[str, int]:
+    """The size ``WanPipeline.__call__`` samples at when given none."""
+    return dict(zip(("height", "width", "num_frames"), pipeline_default_size()))
+
+
+def video_size(options: WanOptions) -> tuple[int, int, int]:
     """(height, width, num_frames): the options, WanPipeline's defaults where None."""
-    defaults = pipeline_default_size()
-    values = (options.height, options.width, options.num_frames)
-    return tuple(default if value is None else value for value, default in zip(values, defaults))
+    resolved = resolve_size(options, default_size())
+    return resolved.height, resolved.width, resolved.num_frames
 
 
 def load_scheduler(path_or_hub_id: str):
@@ -141,233 +139,28 @@ def read_pipeline_index(path_or_hub_id: str) -> dict:
     return dict(WanPipeline.load_config(path_or_hub_id))
 
 
-def _component_present(index: dict, name: str) -> bool:
-    """A pipeline component listed in model_index.json with a class (not [null, null])."""
-    entry = index.get(name)
-    return isinstance(entry, (list, tuple)) and len(entry) == 2 and entry[1] is not None
-
-
-class WanExperts(torch.nn.Module):
-    """Wan2.2's two experts as one module (the adapter's ``transformer``).
-
-    ``transformer`` is the high-noise expert: it runs the rows whose timestep t (B,) is
-    >= ``boundary_timestep`` (= boundary_ratio x num_train_timesteps, WanPipeline's rule);
-    ``transformer_2`` (low noise) runs the others. ``forward`` takes WanTransformer3DModel's
-    arguments and returns its output for the whole batch, splitting a batch whose rows straddle the
-    boundary. Being one module, LoRA / PEFT, the optimiser, DDP and checkpoints see both experts
-    (state-dict keys ``transformer.*`` and ``transformer_2.*``, the pipeline's component names).
-
-    ``train_experts`` ('both', 'high' or 'low') decides which experts ``add_adapter`` wraps and
-    ``requires_grad_(True)`` unfreezes. A forward with gradients enabled that needs an expert which
-    does not train, while the other does, is an error: its loss could not reach any weight.
-    """
-
-    # The block class FSDP's transformer-based auto-wrap reads (as from WanTransformer3DModel);
-    # FSDP / DeepSpeed with the two experts are untested.
-    _no_split_modules = ["WanTransformerBlock"]
-
-    def __init__(self, transformer: torch.nn.Module, transformer_2: torch.nn.Module,
-                 boundary_ratio: float, num_train_timesteps: int = 1000,
-                 train_experts: str = "both") -> None:
-        super().__init__()
-        if train_experts not in TRAIN_EXPERTS:
-            raise ValueError(f"train_experts must be one of {list(TRAIN_EXPERTS)} "
-                             f"(got {train_experts!r})")
-        if not 0.0 <= boundary_ratio <= 1.0:
-            raise ValueError(f"boundary_ratio must be in [0, 1] (got {boundary_ratio})")
-        self.transformer = transformer
-        self.transformer_2 = transformer_2
-        self.boundary_ratio = float(boundary_ratio)
-        self.boundary_timestep = float(boundary_ratio) * num_train_timesteps
-        self.train_experts = train_experts
-
-    # ------------------------------------------------------------------ what the adapter reads
-    @property
-    def config(self) -> Any:
-        """The high-noise expert's config (both experts share the architecture)."""
-        return self.transformer.config
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.transformer.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.transformer.device
-
-    @property
-    def trained_experts(self) -> list[torch.nn.Module]:
-        """The experts ``train_experts`` selects (high noise first)."""
-        return {"both": [self.transformer, self.transformer_2], "high": [self.transformer],
-                "low": [self.transformer_2]}[self.train_experts]
-
-    def uses_high_noise(self, timestep: Tensor) -> Tensor:
-        """(B,) bool: the rows of timestep (B,) that the high-noise expert runs (t >= boundary)."""
-        if timestep.dim() != 1:
-            raise ValueError(f"wan: Wan2.2 experts take one timestep per row, shape (B,) (got "
-                             f"{tuple(timestep.shape)}); per-token timesteps (TI2V) are not supported")
-        return timestep >= self.boundary_timestep
-
-    # ------------------------------------------------------------------ forward
-    def forward(self, hidden_states: Tensor, timestep: Tensor, encoder_hidden_states: Tensor,
-                encoder_hidden_states_image: Tensor | None = None, return_dict: bool = True,
-                attention_kwargs: dict | None = None) -> Any:
-        """WanTransformer3DModel's forward with each row sent to its expert: hidden_states
-        (B, C, F', h, w), timestep (B,), encoder_hidden_states (B, L, D) -> (B, C, F', h, w)."""
-        high = self.uses_high_noise(timestep)
-        self._check_trains(high)
-        rows = {"hidden_states": hidden_states, "timestep": timestep,
-                "encoder_hidden_states": encoder_hidden_states,
-                "encoder_hidden_states_image": encoder_hidden_states_image}
-
-        def run(expert: torch.nn.Module, index: Tensor | None) -> Tensor:
-            picked = {k: (v if index is None or v is None else v.index_select(0, index))
-                      for k, v in rows.items()}
-            return expert(**picked, attention_kwargs=attention_kwargs, return_dict=False)[0]
-
-        n_high = int(high.sum())
-        if n_high in (0, len(high)):
-            out = run(self.transformer if n_high else self.transformer_2, None)
-        else:
-            index_high = high.nonzero().squeeze(1)
-            index_low = (~high).nonzero().squeeze(1)
-            joined = torch.cat([run(self.transformer, index_high),
-                                run(self.transformer_2, index_low)])
-            out = joined.index_select(0, torch.cat([index_high, index_low]).argsort())
-        if not return_dict:
-            return (out,)
-        from diffusers.models.modeling_outputs import Transformer2DModelOutput
-
-        return Transformer2DModelOutput(sample=out)
-
-    def _check_trains(self, high: Tensor) -> None:
-        """With gradients on, every expert the rows need must train if any expert does."""
-        if not torch.is_grad_enabled():
-            return
-        needed = {"transformer": bool(high.any()), "transformer_2": bool((~high).any())}
-        trains = {name: any(p.requires_grad for p in getattr(self, name).parameters()) for name in needed}
-        frozen = [name for name in needed if needed[name] and not trains[name]]
-        if frozen and any(trains.values()):
-            raise ValueError(
-                f"wan: a step with gradients needs the {frozen[0]} expert, which does not train "
-                f"(options.train_experts={self.train_experts!r}): its loss reaches no trained weight. "
-                f"Train only steps on the trained expert's side of t = {self.boundary_timestep:g} "
-                f"(sigma {self.boundary_ratio:g}; e.g. sampling.plan one_step_range / window_range / "
-                f"train_fraction) or set options.train_experts='both'")
-
-    # ------------------------------------------------------------------ training switches
-    def requires_grad_(self, requires_grad: bool = True) -> "WanExperts":
-        """False freezes both experts; True unfreezes the trained experts only."""
-        if not requires_grad:
-            return super().requires_grad_(False)
-        for expert in self.trained_experts:
-            expert.requires_grad_(True)
-        return self
-
-    def add_adapter(self, adapter_config: Any, adapter_name: str = "default") -> None:
-        """diffusers' ``add_adapter`` on each trained expert (a copy of the LoraConfig each)."""
-        for expert in self.trained_experts:
-            expert.add_adapter(copy.deepcopy(adapter_config), adapter_name=adapter_name)
-
-    def _adapted(self) -> list[torch.nn.Module]:
-        return [e for e in (self.transformer, self.transformer_2)
-                if getattr(e, "_hf_peft_config_loaded", False)]
-
-    @property
-    def peft_config(self) -> dict:
-        """The LoraConfig(s) of the (first) adapted expert: PEFT's state-dict and the LoRA
-        metadata read it (both experts get the same config)."""
-        adapted = self._adapted()
-        if not adapted:
-            raise AttributeError("no expert has a PEFT adapter (call add_adapter first)")
-        return adapted[0].peft_config
-
-    def disable_adapters(self) -> None:
-        for expert in self._adapted():
-            expert.disable_adapters()
-
-    def enable_adapters(self) -> None:
-        for expert in self._adapted():
-            expert.enable_adapters()
-
-    def enable_gradient_checkpointing(self) -> None:
-        for expert in (self.transformer, self.transformer_2):
-            expert.enable_gradient_checkpointing()
-
-    def disable_gradient_checkpointing(self) -> None:
-        for expert in (self.transformer, self.transformer_2):
-            expert.disable_gradient_checkpointing()
-
-    @property
-    def is_gradient_checkpointing(self) -> bool:
-        return any(e.is_gradient_checkpointing for e in (self.transformer, self.transformer_2))
-
-    @property
-    def attn_processors(self) -> dict:
-        return {f"{name}.{key}": processor for name in ("transformer", "transformer_2")
-                for key, processor in getattr(self, name).attn_processors.items()}
-
-    def set_attention_backend(self, backend: str) -> None:
-        for expert in (self.transformer, self.transformer_2):
-            expert.set_attention_backend(backend)
-
-    def save_pretrained(self, save_directory: str | os.PathLike,
-                        state_dict: dict[str, Tensor] | None = None, **kwargs: Any) -> None:
-        """Both experts in the pipeline's layout: the high-noise one at ``save_directory``
-        (e.g. <checkpoint>/transformer) and the low-noise one next to it (<checkpoint>/transformer_2),
-        each ``WanTransformer3DModel.from_pretrained``-loadable. ``state_dict``: this module's
-        consolidated state (keys ``transformer.*`` / ``transformer_2.*``), split per expert."""
-        target = Path(save_directory)
-        for name, folder in (("transformer", target),
-                             ("transformer_2", target.with_name(target.name + "_2"))):
-            part = None if state_dict is None else {
-                key[len(name) + 1:]: value for key, value in state_dict.items()
-                if key.startswith(name + ".")}
-            getattr(self, name).save_pretrained(folder, state_dict=part, **kwargs)
-
-
-def load_wan22_lora(pipeline: Any, directory: str | os.PathLike,
-                    adapter_name: str | None = None) -> list[str]:
-    """Load a Wan2.2 LoRA folder written by ``WanModel.save_lora_weights`` into a stock
-    ``WanPipeline``: ``pytorch_lora_weights.safetensors`` into ``transformer`` and
-    ``pytorch_lora_weights_transformer_2.safetensors`` into ``transformer_2`` (diffusers'
-    ``load_into_transformer_2=True``), whichever exist. Returns the components loaded."""
-    directory = os.fspath(directory)
-    loaded = []
-    for weight_name, component in ((LORA_WEIGHTS_NAME, "transformer"),
-                                   (LOW_NOISE_LORA_WEIGHTS_NAME, "transformer_2")):
-        if os.path.isfile(os.path.join(directory, weight_name)):
-            pipeline.load_lora_weights(directory, weight_name=weight_name, adapter_name=adapter_name,
-                                       load_into_transformer_2=component == "transformer_2")
-            loaded.append(component)
-    if not loaded:
-        raise FileNotFoundError(f"{directory} holds neither {LORA_WEIGHTS_NAME} nor "
-                                f"{LOW_NOISE_LORA_WEIGHTS_NAME} (give a folder written by "
-                                f"WanModel.save_lora_weights)")
-    return loaded
-
-
 class WanModel(DiffusersFlowModel):
     """Wan2.1 / Wan2.2 T2V adapter. Build with ``WanModel.from_pretrained(path_or_hub_id, ...)``.
     For Wan2.2, ``transformer`` is a ``WanExperts`` and ``boundary_ratio`` is set."""
 
     family = "wan"
+    options_class = WanOptions
     pipeline_class_path = "diffusers:WanPipeline"
     text_encoder_names = ("text_encoder",)
     has_real_cfg = True
 
     def __init__(self, transformer: torch.nn.Module, components: dict, options: WanOptions,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
-        super().__init__(transformer, components, options, WAN_LORA_TARGET_MODULES, device, dtype)
         self.boundary_ratio = transformer.boundary_ratio if isinstance(transformer, WanExperts) else None
+        super().__init__(transformer, components, options, WAN_LORA_TARGET_MODULES, device, dtype)
         # Wan2.2: a replay batch runs one expert, so the other's parameters get no gradient in
         # that backward (DDP must look for unused parameters; the trainer reads this).
         self.may_skip_parameters = self.boundary_ratio is not None
-        _check_wan22_options(options, self.boundary_ratio is not None)
+        check_wan22_options(options, self.boundary_ratio is not None)
         vae_config = self.vae.config
-        self.height, self.width, self.num_frames = resolve_size(options)
+        self.height, self.width, self.num_frames = video_size(options)
         _check_sizes(self.height, self.width, self.num_frames, vae_config.scale_factor_spatial,
-                     vae_config.scale_factor_temporal, tuple(transformer.config.patch_size))
+                     vae_config.scale_factor_temporal, tuple(self.denoisers()[0].config.patch_size))
         self.scale_factor_spatial = vae_config.scale_factor_spatial
         self.scale_factor_temporal = vae_config.scale_factor_temporal
         self.scheduler_config = dict(components["scheduler"].config)
@@ -394,14 +187,14 @@ class WanModel(DiffusersFlowModel):
                     "scheduler": "scheduler_config.json", "text_encoder": "config.json",
                     "tokenizer": "tokenizer_config.json"}
         index = read_pipeline_index(path_or_hub_id)
-        two_experts = _check_pipeline_index(index, path_or_hub_id)
+        two_experts = check_pipeline_index(index, path_or_hub_id)
         if two_experts:
             required["transformer_2"] = "config.json"
         check_pipeline_folder(path_or_hub_id, required, cls.family)
-        _check_wan22_options(options, two_experts)
+        check_wan22_options(options, two_experts)
         transformer_config = WanTransformer3DModel.load_config(path_or_hub_id, subfolder="transformer")
         vae_config = AutoencoderKLWan.load_config(path_or_hub_id, subfolder="vae")
-        _check_sizes(*resolve_size(options), vae_config.get("scale_factor_spatial", 8),
+        _check_sizes(*video_size(options), vae_config.get("scale_factor_spatial", 8),
                      vae_config.get("scale_factor_temporal", 4), tuple(transformer_config["patch_size"]))
 
         components = {
@@ -449,7 +242,7 @@ class WanModel(DiffusersFlowModel):
     @property
     def latent_shape(self) -> tuple[int, int, int, int]:
         """(C, F', h, w) of one video latent: F' = (F - 1)/4 + 1, h = H/8, w = W/8."""
-        return (self.transformer.config.in_channels,
+        return (self.denoisers()[0].config.in_channels,
                 (self.num_frames - 1) // self.scale_factor_temporal + 1,
                 self.height // self.scale_factor_spatial,
                 self.width // self.scale_factor_spatial)
@@ -526,7 +319,45 @@ class WanModel(DiffusersFlowModel):
             videos = self.vae.decode(z.to(self.vae.dtype), return_dict=False)[0]   # (B, 3, F, H, W)
         return (videos.float().permute(0, 2, 1, 3, 4) * 0.5 + 0.5).clamp(0.0, 1.0)
 
-    # ---------------------------------------------------------------------------- LoRA
+    # ---------------------------------------------------------------------------- training
+    def denoisers(self, module: torch.nn.Module | None = None) -> list[torch.nn.Module]:
+        """The Wan transformers inside ``module`` (default: the adapter's): Wan2.2's two
+        experts, high noise first, or the one transformer."""
+        if module is not None and module is not self.transformer:
+            return [module]
+        if self.boundary_ratio is None:
+            return [self.transformer]
+        return [self.transformer.transformer, self.transformer.transformer_2]
+
+    def trained_denoisers(self) -> list[torch.nn.Module]:
+        """Wan2.2: the experts ``options.train_experts`` selects."""
+        if self.boundary_ratio is None:
+            return [self.transformer]
+        return self.transformer.trained
+
+    def lora_state_dict(self, state_dict: dict[str, Tensor] | None = None) -> dict[str, Tensor]:
+        """Wan2.2: each adapted expert's LoRA, keys prefixed with its name (``transformer.`` /
+        ``transformer_2.``), as ``save_lora_weights`` splits them."""
+        if self.boundary_ratio is None:
+            return super().lora_state_dict(state_dict)
+        from peft import get_peft_model_state_dict   # peft takes seconds to import
+
+        out: dict[str, Tensor] = {}
+        for name, expert in zip(EXPERT_NAMES, self.denoisers()):
+            if getattr(expert, "_hf_peft_config_loaded", False):
+                part = get_peft_model_state_dict(expert, state_dict=expert_state(state_dict, name))
+                out.update({f"{name}.{key}": value for key, value in part.items()})
+        return out
+
+    def save_full_weights(self, folder: str | os.PathLike,
+                          state_dict: dict[str, Tensor] | None = None) -> None:
+        """Wan2.2: both experts in the pipeline's layout (``folder/transformer``,
+        ``folder/transformer_2``)."""
+        if self.boundary_ratio is None:
+            return super().save_full_weights(folder, state_dict)
+        save_experts_full(self.transformer, folder, state_dict)
+
+    # ---------------------------------------------------------------------------- LoRA files
     def lora_parts(self) -> list[tuple[str, torch.nn.Module]]:
         """(LoRA file, module) per part a checkpoint carries (``flowgrpo sample/eval/grid``):
         Wan2.2 has one file per expert (a checkpoint holds the files of the experts it trained)."""
@@ -551,54 +382,10 @@ class WanModel(DiffusersFlowModel):
         if self.boundary_ratio is None:
             return super().save_lora_weights(directory, transformer_lora_state_dict)
         if not transformer_lora_state_dict:
-            raise ValueError("transformer_lora_state_dict is empty; pass "
-                             "peft.get_peft_model_state_dict(model.transformer)")
-        parts: dict[str, dict[str, Tensor]] = {"transformer": {}, "transformer_2": {}}
-        for key, value in strip_peft_wrapper_prefix(transformer_lora_state_dict).items():
-            expert, _, rest = key.partition(".")
-            if expert not in parts:
-                raise ValueError(f"wan: LoRA key {key!r} belongs to neither expert (keys must start "
-                                 "with 'transformer.' or 'transformer_2.': a WanExperts state dict)")
-            parts[expert][rest] = value
-        for expert, weight_name in (("transformer", LORA_WEIGHTS_NAME),
-                                    ("transformer_2", LOW_NOISE_LORA_WEIGHTS_NAME)):
-            if parts[expert]:
-                self.pipeline_class.save_lora_weights(
-                    directory, transformer_lora_layers=parts[expert], weight_name=weight_name,
-                    transformer_lora_adapter_metadata=lora_adapter_metadata(
-                        getattr(self.transformer, expert)))
-
-
-def _check_pipeline_index(index: dict, path_or_hub_id: str) -> bool:
-    """True for a Wan2.2 two-expert T2V folder, False for Wan2.1; an error for the variants this
-    adapter does not reproduce."""
-    name = index.get("_class_name", "WanPipeline")
-    if name != "WanPipeline":
-        raise ValueError(f"wan: {path_or_hub_id!r} is a {name} folder; this adapter is text-to-video "
-                         "(WanPipeline: Wan2.1 T2V or Wan2.2 T2V-A14B)")
-    if index.get("expand_timesteps"):
-        raise ValueError(f"wan: {path_or_hub_id!r} sets expand_timesteps (Wan2.2 TI2V-5B: per-token "
-                         "timesteps, a 16x VAE); not supported. Use a Wan2.1 T2V or Wan2.2 T2V-A14B folder")
-    has_high, has_low = _component_present(index, "transformer"), _component_present(index, "transformer_2")
-    if index.get("boundary_ratio") is None:
-        if has_low:
-            raise ValueError(f"wan: {path_or_hub_id!r} has a transformer_2 but no boundary_ratio in "
-                             "model_index.json, so WanPipeline would never run it; set boundary_ratio")
-        return False
-    if not (has_high and has_low):
-        raise ValueError(f"wan: {path_or_hub_id!r} sets boundary_ratio but lacks "
-                         f"{'transformer_2' if has_high else 'transformer'}; Wan2.2 needs both experts "
-                         "(transformer = high noise, transformer_2 = low noise)")
-    return True
-
-
-def _check_wan22_options(options: WanOptions, two_experts: bool) -> None:
-    if two_experts:
-        return
-    for name in ("guidance_scale_2", "train_experts"):
-        if getattr(options, name) is not None:
-            raise ValueError(f"options.{name} is for Wan2.2 checkpoints (two experts); this one has a "
-                             f"single transformer: remove {name}")
+            raise ValueError("transformer_lora_state_dict is empty; pass model.lora_state_dict() "
+                             "(peft.get_peft_model_state_dict of each expert)")
+        save_expert_lora(self.pipeline_class, directory, self.transformer,
+                         transformer_lora_state_dict)
 
 
 def _check_sizes(height: int, width: int, frames: int, spatial: int, temporal: int,

@@ -59,6 +59,18 @@ def member_keys(members: list) -> list[str]:
     return keys
 
 
+def declared_components(name: str, options: dict) -> tuple[str, ...] | None:
+    """The component names a reward spec will output, where they are known before it loads:
+    an ensemble's ``mean``, ``std`` and member keys; None for any other reward (known once it
+    loads) and for members the ensemble will refuse when it loads."""
+    if name != "ensemble" or not isinstance(options.get("members"), list):
+        return None
+    try:
+        return (*ENSEMBLE_KEYS, *member_keys(options["members"]))
+    except (TypeError, ValueError):
+        return None   # the ensemble reports its own error when it loads
+
+
 class EnsembleReward:
     """Mean of the members minus ``penalty`` times their std (see the module docstring).
 

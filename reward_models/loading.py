@@ -26,7 +26,6 @@ then ``"module:Class"`` paths.
 """
 from __future__ import annotations
 
-import importlib
 import importlib.metadata
 import inspect
 from typing import Any
@@ -34,7 +33,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from flowgrpo.dotted import import_dotted
 from flowgrpo.dtypes import parse_dtype
+from flowgrpo.errors import ConfigError
 
 from .base import REGISTRY, as_score_vector, score_with_components
 from .media import check_media, frame_indices
@@ -54,22 +55,30 @@ def available_rewards() -> list[str]:
     return sorted(set(REGISTRY) | set(_entry_points()))
 
 
+def check_reward_names(specs: list, where: str, known: list[str], kind: str = "reward") -> None:
+    """At config load: every plain reward name of ``specs`` (config ``RewardSpec``s, at
+    ``<where>[i]``; an ensemble's ``options.members`` too) must be one of ``known``
+    (``available_rewards``, or the text rewards' names); a ConfigError names the field and the
+    names there are. ``package.module:Class`` paths are imported only when the reward loads."""
+    for i, spec in enumerate(specs):
+        if not spec.name or ":" in spec.name:
+            continue
+        if spec.name not in known:
+            raise ConfigError(f"{where}[{i}].name: unknown {kind} {spec.name!r}; available: "
+                              f"{', '.join(known)}; or give your own class as "
+                              f"'package.module:Class'")
+        members = spec.options.get("members") if spec.name == "ensemble" else None
+        for j, member in enumerate(members if isinstance(members, list) else []):
+            name = member.get("name") if isinstance(member, dict) else member
+            if isinstance(name, str) and ":" not in name and name not in known:
+                raise ConfigError(f"{where}[{i}].options.members[{j}]: unknown reward {name!r}; "
+                                  f"available: {', '.join(known)}; or give your own class as "
+                                  f"'package.module:Class'")
+
+
 def import_class(path: str) -> type:
     """The class at ``"package.module:Class"`` (``Outer.Inner`` allowed after the colon)."""
-    module_name, _, qualname = path.partition(":")
-    if not module_name or not qualname:
-        raise ValueError(f"reward class path must look like 'package.module:Class' (got {path!r})")
-    try:
-        target: Any = importlib.import_module(module_name)
-    except ImportError as error:
-        raise ImportError(f"cannot import module {module_name!r} for reward {path!r}: "
-                          f"{error}") from error
-    for part in qualname.split("."):
-        if not hasattr(target, part):
-            raise ValueError(f"module {module_name!r} has no attribute {qualname!r} "
-                             f"(reward {path!r})")
-        target = getattr(target, part)
-    return target
+    return import_dotted(path, "reward")
 
 
 def resolve_reward_class(name: str) -> type:

@@ -25,8 +25,9 @@ from decimal import Decimal, InvalidOperation
 import torch
 from torch import Tensor
 
-from .base import as_score_vector, register_reward, score_with_components
-from .loading import MULTI_REWARD_OPTIONS, _constructor_parameters, _split_spec, resolve_reward_class
+from .base import REGISTRY, as_score_vector, register_reward, score_with_components
+from .loading import (MULTI_REWARD_OPTIONS, _constructor_parameters, _entry_points, _split_spec,
+                      resolve_reward_class)
 
 NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
 BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
@@ -234,6 +235,13 @@ class LoadedTextReward:
     def __call__(self, completions: list[str], prompts: list[str],
                  metadata: list[dict] | None = None) -> Tensor:
         return self.score_and_components(completions, prompts, metadata)[0]
+
+
+def text_reward_names() -> list[str]:
+    """The names a plain (not ``module:Class``) text reward spec may use: the text rewards of
+    this module and installed packages' entry points."""
+    return sorted({name for name, path in REGISTRY.items() if path.startswith(f"{__name__}:")}
+                  | set(_entry_points()))
 
 
 def load_text_reward(spec: str | dict) -> LoadedTextReward:

@@ -1,13 +1,24 @@
-"""Small rewards and builders shared by trainer tests (loaded by dotted path, like a user's own)."""
+"""What several test modules share: small rewards (loaded by dotted path, like a user's own),
+tiny run configs, and runs launched as several processes."""
 from __future__ import annotations
 
 import importlib.util
+import json
+import os
 import socket
+import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
 
+import torch
+import yaml
+from safetensors.torch import load_file
 from torch import Tensor
+
+from flowgrpo.config import TrainConfig, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def free_port() -> int:
@@ -21,10 +32,6 @@ def free_port() -> int:
 def report_and_close(accelerator, out_path: str, record: dict) -> None:
     """End of a launched test process: the main process writes ``record`` as JSON, every process
     waits for it, then leaves the process group cleanly (no gloo abort at exit)."""
-    import json
-
-    import torch
-
     if accelerator.is_main_process:
         with open(out_path, "w") as f:
             json.dump(record, f)
@@ -34,9 +41,6 @@ def report_and_close(accelerator, out_path: str, record: dict) -> None:
     # Leave without the interpreter's C++ teardown: with torch 2.14's gloo on CPU it aborted now
     # and then ("terminate called without an active exception", SIGABRT) after all the work was
     # done and written, failing the launch. The record is on disk; nothing is left to flush.
-    import os
-    import sys
-
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
@@ -85,8 +89,6 @@ class Constant:
         self.value = float(value)
 
     def __call__(self, media: Tensor, prompts: list[str], metadata: list[dict]) -> Tensor:
-        import torch
-
         return torch.full((media.shape[0],), self.value)
 
 
@@ -122,3 +124,107 @@ class MeanColour:
 
     def __call__(self, media: Tensor) -> Tensor:
         return self.scale * media.flatten(2).mean(2)
+
+
+# --------------------------------------------------------------------------- tiny SD3 runs
+
+# The plans a first-pass test runs under, as overrides.
+PLANS = {
+    "full": ["sampling.plan.kind=full"],
+    "full_random": ["sampling.plan.kind=full", "sampling.plan.train_fraction=0.6",
+                    "sampling.plan.train_select=random"],
+    "window": ["sampling.plan.kind=window", "sampling.plan.window_size=2"],
+    "window_dpm": ["sampling.plan.kind=window", "sampling.plan.window_size=2",
+                   "sampling.plan.solver_after=dpmpp_2m", "sampling.plan.compress_ratio=0.5"],
+    "branch": ["sampling.plan.kind=branch", "sampling.plan.window_size=2"],
+    "one_step": ["sampling.plan.kind=one_step"],
+}
+
+
+def tiny_data(model_path: str, root: Path, **sections: dict) -> dict:
+    """A tiny-SD3 run config under ``root`` (its prompts file written there); ``sections``
+    update its sections (a dict merges into the section, anything else replaces it)."""
+    data = {
+        "name": "tiny",
+        "model": {"family": "sd3", "path": model_path, "options": {"height": 32, "width": 32},
+                  "lora": {"rank": 4, "alpha": 8}},
+        "prompts": {"train": str(root / "prompts.txt"), "eval": None},
+        "sampling": {"num_steps": 4, "eval_num_steps": 4, "rollout_batch_size": 4,
+                     "guidance_scale": 1.0},
+        "training": {"prompts_per_iteration": 2, "group_size": 4, "lr": 1e-2, "clip_low": 0.2},
+        "rewards": {"components": [{"name": "tests.helpers:Brightness"}], "threaded": False},
+        "run": {"output_dir": str(root / "runs"), "max_iterations": 1, "tracker": "none",
+                "progress": False, "checkpoint_every": 0, "eval_every": 0},
+    }
+    for key, value in sections.items():
+        data[key] = {**data.get(key, {}), **value} if isinstance(value, dict) else value
+    root.mkdir(parents=True, exist_ok=True)
+    if not (root / "prompts.txt").exists():
+        (root / "prompts.txt").write_text("a red square\na blue circle\na green cat\n")
+    return data
+
+
+def tiny_config(path: str, tmp_path: Path, *overrides: str) -> TrainConfig:
+    """``tiny_data``'s config with dotted ``overrides``."""
+    return load_config(data=tiny_data(path, tmp_path), overrides=list(overrides))
+
+
+# --------------------------------------------------------------------------- launched runs
+
+def run_launch(num_processes: int, script: str, *args: str, timeout: int = 300
+               ) -> subprocess.CompletedProcess:
+    # torchrun-style launch of CPU processes: accelerate picks gloo when ACCELERATE_USE_CPU is set.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "ACCELERATE_USE_CPU": "true"}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu" if num_processes > 1 else "--cpu",
+           "--num_processes", str(num_processes), "--num_machines", "1",
+           "--main_process_port", str(free_port()), "--mixed_precision", "no",
+           "--dynamo_backend", "no", str(ROOT / "tests" / script), *args]
+    return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def errors_of(result: subprocess.CompletedProcess) -> str:
+    # progress bars fill stderr; keep the rest, so that a failure shows its cause
+    return "\n".join(line for line in result.stderr.splitlines() if "it/s]" not in line)
+
+
+def launch(num_processes: int, config: Path, out: Path, script: str = "mp_advantages.py",
+           *before: str) -> dict:
+    result = run_launch(num_processes, script, *before, str(config), str(out))
+    assert result.returncode == 0, errors_of(result)[-6000:]
+    return json.loads(out.read_text())
+
+
+def train_config(path: Path, tmp: Path, name: str, model: dict, **training) -> None:
+    (tmp / "prompts.txt").write_text("a red square\na blue circle\na green cat\n")
+    path.write_text(yaml.safe_dump({
+        "name": name,
+        "model": model,
+        # 3 held-out rows over 2 processes: 2 on one, 1 (+ 1 padding) on the other
+        "prompts": {"train": str(tmp / "prompts.txt"), "eval": str(tmp / "prompts.txt")},
+        "sampling": {"num_steps": 3, "rollout_batch_size": 2, "guidance_scale": 1.0,
+                     "eval_num_steps": 3},
+        # 2 groups of 4: one group per process. 2 inner epochs of one optimiser step each: the
+        # second replays off-policy (ratios != 1), and each step accumulates every replay batch
+        # of the process, all but the last without gradient sync.
+        "training": {"prompts_per_iteration": 2, "group_size": 4, "lr": 1e-3,
+                     "skip_zero_std_groups": False, "num_inner_epochs": 2,
+                     "max_grad_norm": 0.0, **training},
+        "rewards": {"components": [{"name": "tests.helpers:Brightness"}], "threaded": False},
+        "run": {"output_dir": str(tmp / "runs"), "tracker": "none", "progress": False,
+                "max_iterations": 3, "eval_every": 0, "checkpoint_every": 0,
+                "comparison_grid": False},
+    }))
+
+
+def final_weights(tmp: Path, name: str) -> dict:
+    return load_file(str(tmp / "runs" / name / "checkpoints" / "3" / "trainable.safetensors"))
+
+
+def assert_same_weights(one: dict, two: dict, start: dict | None = None) -> None:
+    assert one.keys() == two.keys()
+    for name in one:
+        # DDP averages the two processes' gradients, one process sums the same terms in another
+        # order: float32 rounding, then three Adam steps (which divide by the gradient's size).
+        assert torch.allclose(one[name], two[name], atol=2e-5, rtol=1e-4), name
+    moved = max(float((one[n] - start[n]).abs().max()) for n in one) if start else 1.0
+    assert moved > 1e-3   # not trivially equal: training moved the weights

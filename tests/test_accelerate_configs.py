@@ -416,3 +416,16 @@ def test_gpu_check_cpu_smoke_runs_end_to_end(tmp_path):
     lines = result.stdout.splitlines()
     assert any(line.startswith("family") and "peak GiB" in line for line in lines)
     assert any(line.split()[:2] == ["toy", "bf16"] and line.split()[-1] == "ok" for line in lines)
+
+
+def test_wan22_fsdp_wraps_the_blocks_of_both_experts(tiny_wan22_dir, monkeypatch):
+    """fsdp.yaml's transformer-based auto-wrap finds Wan's block class on the two-expert module
+    (the wrap policy only; FSDP runs with the experts are untested)."""
+    from pipelines import load_model
+    from tests.pipeline_helpers import VIDEO_OPTIONS
+
+    wan22 = load_model("wan", tiny_wan22_dir, options=VIDEO_OPTIONS)
+    plugin = fsdp_plugin("fsdp.yaml", monkeypatch)
+    plugin.set_auto_wrap_policy(wan22.transformer)
+    classes = plugin.auto_wrap_policy.keywords["transformer_layer_cls"]
+    assert {c.__name__ for c in classes} == {"WanTransformerBlock"}

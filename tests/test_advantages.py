@@ -235,7 +235,7 @@ def test_decoupled_sum_is_the_weighted_sum_of_per_reward_group_z_scores(tiny_sd3
     """rewards.aggregation: decoupled_sum (MixGRPO's advantage_aggr) gives A = sum_k w_k z_k
     with z_k each reward's group z-score and no batch normalisation afterwards."""
     from flowgrpo.trainer import Trainer
-    from tests.test_trainer import tiny_config
+    from tests.helpers import tiny_config
 
     trainer = Trainer(tiny_config(
         tiny_sd3_path, tmp_path, "rewards.aggregation=decoupled_sum", "training.adv_clip=0",

@@ -17,7 +17,7 @@ from safetensors.torch import save_file
 from flowgrpo.cli import main
 from flowgrpo.grids import to_uint8
 from flowgrpo.rollout import sample_ode
-from tests.pipelines_fixtures import fail_on_weight_loading, perturb_lora
+from tests.pipeline_helpers import fail_on_weight_loading, perturb_lora
 
 OPTIONS = {"height": 32, "width": 32, "max_sequence_length": 16}
 OPTION_ARGS = ["--options"] + [f"{k}={v}" for k, v in OPTIONS.items()]

@@ -51,7 +51,7 @@ def test_comparison_grid_rows_noise_and_verdicts(tiny_sd3_path, tmp_path, monkey
 
     import flowgrpo.grids as grids
     from flowgrpo.trainer import Trainer
-    from tests.test_trainer import tiny_config
+    from tests.helpers import tiny_config
     from tests.verdict_rewards import parity_bit
 
     tmp_path.mkdir(parents=True, exist_ok=True)

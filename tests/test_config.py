@@ -76,6 +76,35 @@ def test_help_lists_every_section():
         assert name in text
 
 
+def test_help_lists_what_every_registry_holds():
+    """``--help-config`` and the sub-commands' ``--model`` help name every model family, plan
+    kind, SDE kind and reward of the registries, each on the line of the field that takes it."""
+    import re
+
+    from flowgrpo.cli import build_parser, config_help
+    from flowgrpo.plans import PLAN_KINDS
+    from flowgrpo.sde import STOCHASTIC_STEPS
+    from pipelines import MODEL_FAMILIES
+    from reward_models import available_rewards
+
+    lines = {line.strip().split(" ")[0]: line for line in config_help().splitlines()}
+
+    def missing(field, names):
+        return [n for n in names if not re.search(rf"(?<![\w.]){re.escape(n)}(?!\w)",
+                                                  lines[field])]
+
+    assert not missing("model.family", MODEL_FAMILIES)
+    assert not missing("sampling.plan.kind", PLAN_KINDS)
+    assert not missing("sampling.kind", STOCHASTIC_STEPS)
+    assert not missing("rewards.components", available_rewards())
+    assert not missing("eval.rewards", available_rewards())
+    assert missing("model.family", ["no_such_family"]) == ["no_such_family"]   # the check bites
+    commands = build_parser()._subparsers._group_actions[0].choices
+    for command in ("sample", "eval", "grid"):
+        model = next(a for a in commands[command]._actions if a.dest == "model")
+        assert all(family in model.help for family in MODEL_FAMILIES), command
+
+
 CONFIGS = sorted((__import__("pathlib").Path(__file__).resolve().parents[1] / "configs").glob("*.yaml"))
 
 

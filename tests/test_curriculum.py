@@ -144,7 +144,7 @@ def test_curriculum_combinations_refused():
 
 # ------------------------------------------------------------------------------ in the trainer
 def _config(path: str, tmp_path, *overrides: str):
-    from tests.test_trainer import tiny_config
+    from tests.helpers import tiny_config
 
     (tmp_path).mkdir(parents=True, exist_ok=True)
     config = tiny_config(path, tmp_path, "prompts.curriculum.enabled=true",

@@ -250,7 +250,7 @@ def test_training_comparison_grid_starts_with_the_source_column(edit_dir, tmp_pa
 @pytest.mark.slow
 @pytest.mark.skipif(not (ROOT / "assets" / "toy_edit" / "transformer").is_dir(),
                     reason="assets/toy_edit is not built")
-@pytest.mark.xfail(strict=False, reason=(
+@pytest.mark.xfail(strict=True, reason=(
     "known gap: RL on the toy editing model does not yet raise held-out edit accuracy; measured "
     "2026-11-30 with this config: 0.380 -> 0.385 (30) -> 0.391 (60), se 0.034 (configs/toy_edit.yaml "
     "lists the other probes)"))

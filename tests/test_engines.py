@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from flowgrpo.config import ConfigError
-from flowgrpo.engines import check_engine, preflight_engine, replica_checksums
+from flowgrpo.engines import (check_engine, preflight_engine, replica_checksums,
+                              set_gradient_sync)
 from flowgrpo.trainer import NonFiniteGradientError, Trainer, window_lengths
-from tests.test_trainer import tiny_config
+from tests.helpers import tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -155,12 +156,27 @@ def test_fsdp_and_deepspeed_without_gpus_are_refused_with_a_clear_error():
             preflight_engine({"ACCELERATE_USE_DEEPSPEED": "true"}, cuda=True)
 
 
-def test_fsdp_on_cpu_processes():
-    """accelerate's FSDP plugin needs an accelerator device; on this CPU-only machine the two-
-    process FSDP run is left to scripts/gpu_check.sh."""
-    if not torch.cuda.is_available():
-        pytest.skip("accelerate's FullyShardedDataParallelPlugin refuses CPU-only machines "
-                    "('no available devices found'); FSDP is covered by scripts/gpu_check.sh")
+def test_gradient_sync_is_set_through_accelerates_public_setter():
+    """The update marks the last backward of a window with ``set_gradient_sync`` (accelerate's
+    public ``sync_gradients``): the prepared optimiser must skip its step until it is set, as
+    accelerate's own accumulation relies on. Fails when accelerate stops honouring the setter."""
+    from accelerate import Accelerator
+
+    acc = Accelerator(cpu=True)
+    linear = torch.nn.Linear(2, 1)
+    model, optimizer = acc.prepare(linear, torch.optim.SGD(linear.parameters(), lr=1.0))
+    model(torch.ones(1, 2)).sum().backward()
+    before = model.weight.detach().clone()
+    try:
+        set_gradient_sync(acc, False)
+        assert acc.sync_gradients is False and acc.gradient_state.sync_gradients is False
+        optimizer.step()
+        assert torch.equal(model.weight, before)          # inside a window: no step
+        set_gradient_sync(acc, True)
+        optimizer.step()
+        assert not torch.equal(model.weight, before)      # its last backward: the step
+    finally:
+        set_gradient_sync(acc, True)
 
 
 def fake_accelerator(kind: str, zero_stage: int = 2, processes: int = 8):

@@ -9,7 +9,7 @@ import torch
 
 from flowgrpo.config import ConfigError
 from flowgrpo.trainer import Trainer
-from tests.test_trainer import tiny_config
+from tests.helpers import tiny_config
 
 GATED = ["training.kl_beta=0.1", "training.skip_zero_std_groups=false",
          "rewards.components=[{name: 'tests.helpers:BrightnessSpread'}]",
@@ -45,14 +45,14 @@ def test_guards_off_never_run(tiny_sd3_path, tmp_path, monkeypatch):
     """Every guard off (the default): none of their code runs and the batch carries no gate,
     so training takes exactly the path it takes without the guards."""
     import flowgrpo.flow_policy
-    import flowgrpo.trainer as trainer_module
+    import flowgrpo.trainer_advantages as advantages_module
 
     def boom(*args, **kwargs):
         raise AssertionError("a guard ran while every guard is off")
 
     for name in ("diversity_weights", "kl_gate_weights", "saturation_weights",
                  "gate_uncertainty", "media_features"):
-        monkeypatch.setattr(trainer_module, name, boom)
+        monkeypatch.setattr(advantages_module, name, boom)
     monkeypatch.setattr(flowgrpo.flow_policy.FlowPolicy, "_gated_kl_loss", boom)
     monkeypatch.setattr(flowgrpo.flow_policy.FlowPolicy, "refresh_reference", boom)
     trainer = Trainer(tiny_config(tiny_sd3_path, tmp_path, "training.kl_beta=0.1",

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from flowgrpo.config import load_config, to_dict
-from flowgrpo.flow_policy import replay_batches_per_process, resolve_accumulation
+from flowgrpo.flow_batches import accumulation_steps, replay_batches_per_process
 from flowgrpo.plans import make_plan, sample_trained_steps
 from tests.helpers import load_benchmark
 
@@ -159,8 +159,7 @@ def test_every_method_takes_the_toy_world_base_batch_and_evaluation(bench, name)
 def test_methods_take_two_optimiser_steps_per_iteration(bench, name):
     config = method_config(bench, name)
     batches = replay_batches_per_process(config, 1)
-    resolve_accumulation(config, 1)
-    assert math.ceil(batches / config.training.gradient_accumulation_steps) == 2
+    assert math.ceil(batches / accumulation_steps(config, 1)) == 2
 
 
 def test_mix_windows_sweep_the_share_of_the_range_the_anchors_sweep(bench):

@@ -2,15 +2,13 @@
 rollouts (rewards gathered, groups spanning processes, noise seeded per sample), the same weights
 after training under DDP, and an error on the main process ending every process."""
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
-from tests.helpers import free_port
+from tests.helpers import (assert_same_weights, errors_of, final_weights, launch, run_launch,
+                           train_config)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -30,29 +28,6 @@ def write_config(path: Path, model_path: str, tmp: Path) -> None:
     }))
 
 
-def run_launch(num_processes: int, script: str, *args: str, timeout: int = 300
-               ) -> subprocess.CompletedProcess:
-    # torchrun-style launch of CPU processes: accelerate picks gloo when ACCELERATE_USE_CPU is set.
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "ACCELERATE_USE_CPU": "true"}
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu" if num_processes > 1 else "--cpu",
-           "--num_processes", str(num_processes), "--num_machines", "1",
-           "--main_process_port", str(free_port()), "--mixed_precision", "no",
-           "--dynamo_backend", "no", str(ROOT / "tests" / script), *args]
-    return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-
-
-def errors_of(result: subprocess.CompletedProcess) -> str:
-    # progress bars fill stderr; keep the rest, so that a failure shows its cause
-    return "\n".join(line for line in result.stderr.splitlines() if "it/s]" not in line)
-
-
-def launch(num_processes: int, config: Path, out: Path, script: str = "mp_advantages.py",
-           *before: str) -> dict:
-    result = run_launch(num_processes, script, *before, str(config), str(out))
-    assert result.returncode == 0, errors_of(result)[-6000:]
-    return json.loads(out.read_text())
-
-
 def test_two_processes_match_one(tiny_sd3_path, tmp_path):
     config = tmp_path / "mp.yaml"
     write_config(config, tiny_sd3_path, tmp_path)
@@ -65,46 +40,6 @@ def test_two_processes_match_one(tiny_sd3_path, tmp_path):
     assert one["advantages"] == pytest.approx(two["advantages"], abs=1e-5)
     # Not trivially equal: the advantages carry signal.
     assert max(abs(a) for a in one["advantages"]) > 0.5
-
-
-def train_config(path: Path, tmp: Path, name: str, model: dict, **training) -> None:
-    (tmp / "prompts.txt").write_text("a red square\na blue circle\na green cat\n")
-    path.write_text(yaml.safe_dump({
-        "name": name,
-        "model": model,
-        # 3 held-out rows over 2 processes: 2 on one, 1 (+ 1 padding) on the other
-        "prompts": {"train": str(tmp / "prompts.txt"), "eval": str(tmp / "prompts.txt")},
-        "sampling": {"num_steps": 3, "rollout_batch_size": 2, "guidance_scale": 1.0,
-                     "eval_num_steps": 3},
-        # 2 groups of 4: one group per process. 2 inner epochs of one optimiser step each: the
-        # second replays off-policy (ratios != 1), and each step accumulates every replay batch
-        # of the process, all but the last without gradient sync.
-        "training": {"prompts_per_iteration": 2, "group_size": 4, "lr": 1e-3,
-                     "skip_zero_std_groups": False, "num_inner_epochs": 2,
-                     "max_grad_norm": 0.0, **training},
-        "rewards": {"components": [{"name": "tests.helpers:Brightness"}], "threaded": False},
-        "run": {"output_dir": str(tmp / "runs"), "tracker": "none", "progress": False,
-                "max_iterations": 3, "eval_every": 0, "checkpoint_every": 0,
-                "comparison_grid": False},
-    }))
-
-
-def final_weights(tmp: Path, name: str) -> dict:
-    from safetensors.torch import load_file
-
-    return load_file(str(tmp / "runs" / name / "checkpoints" / "3" / "trainable.safetensors"))
-
-
-def assert_same_weights(one: dict, two: dict, start: dict | None = None) -> None:
-    import torch
-
-    assert one.keys() == two.keys()
-    for name in one:
-        # DDP averages the two processes' gradients, one process sums the same terms in another
-        # order: float32 rounding, then three Adam steps (which divide by the gradient's size).
-        assert torch.allclose(one[name], two[name], atol=2e-5, rtol=1e-4), name
-    moved = max(float((one[n] - start[n]).abs().max()) for n in one) if start else 1.0
-    assert moved > 1e-3   # not trivially equal: training moved the weights
 
 
 @pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])

@@ -10,9 +10,8 @@ import torch
 from pipelines import load_model
 from flowgrpo.model import FlowModel
 from pipelines.flux import latent_image_ids, pack_latents, unpack_latents
-from tests.pipelines_fixtures import (IMAGE_OPTIONS, TINY_MAX_SEQUENCE_LENGTH, CallCounter,
-                                      fail_on_weight_loading, ode_sample, perturb_lora,
-                                      tiny_flux_dir)  # noqa: F401  (fixture)
+from tests.pipeline_helpers import (IMAGE_OPTIONS, TINY_MAX_SEQUENCE_LENGTH, CallCounter,
+                                    fail_on_weight_loading, ode_sample, perturb_lora)
 
 PROMPTS = ["a red cube", "two green spheres"]
 NUM_STEPS = 4

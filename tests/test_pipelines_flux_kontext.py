@@ -13,7 +13,7 @@ from flowgrpo.pixels import to_uint8
 from flowgrpo.rollout import sample_ode
 from pipelines import load_model
 from pipelines.tiny import save_tiny
-from tests.pipelines_fixtures import IMAGE_OPTIONS, TINY_MAX_SEQUENCE_LENGTH, perturb_lora
+from tests.pipeline_helpers import IMAGE_OPTIONS, TINY_MAX_SEQUENCE_LENGTH, perturb_lora
 
 PROMPTS = ["make the cube red", "add a green sphere"]
 NUM_STEPS = 4

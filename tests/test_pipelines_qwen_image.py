@@ -16,7 +16,7 @@ from flowgrpo.model import Conditioning, FlowModel
 from pipelines import load_model
 from pipelines.qwen_image import QWEN_IMAGE_LORA_TARGET_MODULES
 from pipelines.tiny import QWEN_TEMPLATE_PREFIX_TOKENS, save_tiny
-from tests.pipelines_fixtures import CallCounter, fail_on_weight_loading, perturb_lora
+from tests.pipeline_helpers import CallCounter, fail_on_weight_loading, perturb_lora
 
 PROMPTS = ["a red cube", "two green spheres on a long wooden table"]
 NUM_STEPS = 3
@@ -250,7 +250,7 @@ def _train_config(path, tmp_path, *overrides: str, iterations: int = 1):
 
 
 def _plans() -> dict[str, list[str]]:
-    from tests.test_trainer import PLANS
+    from tests.helpers import PLANS
 
     return PLANS
 

@@ -74,7 +74,7 @@ def test_first_pass_ratio_is_exactly_one_and_lora_loads_in_the_stock_pipeline(ed
     from flowgrpo.config import load_config
     from flowgrpo.pixels import to_uint8
     from flowgrpo.trainer import Trainer
-    from tests.pipelines_fixtures import perturb_lora
+    from tests.pipeline_helpers import perturb_lora
 
     lines = []
     for i, prompt in enumerate([PROMPT, "add a green sphere"]):

@@ -10,9 +10,8 @@ import torch
 from pipelines import MODEL_FAMILIES, load_model
 from flowgrpo.model import FlowModel
 from pipelines.sd3 import SD3_LORA_TARGET_MODULES, SD3Model
-from tests.pipelines_fixtures import (IMAGE_OPTIONS, TINY_MAX_SEQUENCE_LENGTH, CallCounter,
-                                      fail_on_weight_loading, ode_sample, perturb_lora,
-                                      tiny_sd3_dir)  # noqa: F401  (fixture)
+from tests.pipeline_helpers import (IMAGE_OPTIONS, TINY_MAX_SEQUENCE_LENGTH, CallCounter,
+                                    fail_on_weight_loading, ode_sample, perturb_lora)
 
 PROMPTS = ["a red cube", "two green spheres"]
 NUM_STEPS = 4
@@ -210,7 +209,7 @@ def test_gradient_checkpointing_is_the_configs_one_switch(tiny_sd3_dir, tmp_path
     """model.gradient_checkpointing (the only switch) turns it on in the transformer; adapters
     have no option of their own."""
     from flowgrpo.trainer import Trainer
-    from tests.test_trainer import tiny_config
+    from tests.helpers import tiny_config
 
     with pytest.raises(ValueError, match="gradient_checkpointing"):
         load_model("sd3", tiny_sd3_dir, options={**IMAGE_OPTIONS, "gradient_checkpointing": True})

@@ -9,9 +9,8 @@ import torch
 
 from pipelines import load_model
 from flowgrpo.model import FlowModel
-from tests.pipelines_fixtures import (TINY_MAX_SEQUENCE_LENGTH, VIDEO_OPTIONS, CallCounter,
-                                      fail_on_weight_loading, ode_sample, perturb_lora,
-                                      tiny_wan_dir)  # noqa: F401  (fixture)
+from tests.pipeline_helpers import (TINY_MAX_SEQUENCE_LENGTH, VIDEO_OPTIONS, CallCounter,
+                                    fail_on_weight_loading, ode_sample, perturb_lora)
 
 PROMPTS = ["a red cube rolls", "two green spheres bounce"]
 NUM_STEPS = 3
@@ -149,13 +148,6 @@ def test_vae_slicing_and_tiling_switches(tiny_wan_dir, wan):
 WAN22_STEPS = 6   # shift 3: the first two steps are high noise (t >= 875), the other four low
 
 
-@pytest.fixture(scope="session")
-def tiny_wan22_dir(tmp_path_factory) -> str:
-    from pipelines.tiny import save_tiny
-
-    return save_tiny("wan22", tmp_path_factory.mktemp("tiny") / "wan22")
-
-
 @pytest.fixture(scope="module")
 def wan22(tiny_wan22_dir):
     return load_model("wan", tiny_wan22_dir, options=VIDEO_OPTIONS)
@@ -210,7 +202,7 @@ class ExpertLog:
 
 
 def test_wan22_loads_both_experts(wan22):
-    from pipelines.wan import WanExperts
+    from pipelines.wan22 import WanExperts
 
     experts = wan22.transformer
     assert isinstance(experts, WanExperts) and isinstance(wan22, FlowModel)
@@ -294,17 +286,14 @@ def test_wan22_rows_on_both_sides_of_the_boundary_go_to_their_experts(wan22):
 
 
 def test_wan22_lora_on_both_experts_loads_into_stock_pipeline(tiny_wan22_dir, tmp_path):
-    from peft import LoraConfig, get_peft_model_state_dict
-
-    from pipelines.wan import LORA_WEIGHTS_NAME, LOW_NOISE_LORA_WEIGHTS_NAME, load_wan22_lora
+    from pipelines.wan22 import LORA_WEIGHTS_NAME, LOW_NOISE_LORA_WEIGHTS_NAME, load_wan22_lora
 
     model = load_model("wan", tiny_wan22_dir, options=VIDEO_OPTIONS)
-    model.transformer.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=model.lora_target_modules,
-                                             init_lora_weights="gaussian"))
+    model.add_lora(4, 8, model.lora_target_modules, "gaussian")
     assert perturb_lora(model.transformer) == 2 * 2 * 10   # 2 experts x 2 blocks x 10 targets
     noise = model.initial_noise(len(PROMPTS), torch.Generator().manual_seed(4))
     ours = model.decode(_ode_latents(model, noise, WAN22_STEPS, 5.0))
-    model.save_lora_weights(str(tmp_path), get_peft_model_state_dict(model.transformer))
+    model.save_lora_weights(str(tmp_path), model.lora_state_dict())
     assert (tmp_path / LORA_WEIGHTS_NAME).is_file() and (tmp_path / LOW_NOISE_LORA_WEIGHTS_NAME).is_file()
     pipe = _wan22_pipeline(tiny_wan22_dir, model.shift)
     without_lora = _wan22_stock(pipe, noise, 5.0)
@@ -323,19 +312,16 @@ def test_wan22_lora_on_both_experts_loads_into_stock_pipeline(tiny_wan22_dir, tm
 def test_wan22_checkpoint_applied_by_the_cli_loads_both_experts(tiny_wan22_dir, tmp_path):
     """``flowgrpo sample / eval / grid`` apply a Wan2.2 LoRA checkpoint to both experts (one file
     each), check each file against its expert, and leave the exact base weights afterwards."""
-    from peft import LoraConfig, get_peft_model_state_dict
-
     from flowgrpo.checkpoint_inspection import (Checkpoint, check_checkpoint,
                                                 checkpoint_applied)
 
     trained = load_model("wan", tiny_wan22_dir, options=VIDEO_OPTIONS)
-    trained.transformer.add_adapter(LoraConfig(r=4, lora_alpha=8, init_lora_weights="gaussian",
-                                               target_modules=trained.lora_target_modules))
+    trained.add_lora(4, 8, trained.lora_target_modules, "gaussian")
     perturb_lora(trained.transformer)
     noise = trained.initial_noise(len(PROMPTS), torch.Generator().manual_seed(4))
     with torch.no_grad():
         expected = _ode_latents(trained, noise, WAN22_STEPS, 5.0)
-    trained.save_lora_weights(str(tmp_path), get_peft_model_state_dict(trained.transformer))
+    trained.save_lora_weights(str(tmp_path), trained.lora_state_dict())
 
     base = load_model("wan", tiny_wan22_dir, options=VIDEO_OPTIONS)
     checkpoint = Checkpoint("run@1", "lora", tmp_path)
@@ -353,17 +339,15 @@ def test_wan22_checkpoint_applied_by_the_cli_loads_both_experts(tiny_wan22_dir, 
 @pytest.mark.parametrize("train_experts, trained, frozen_sigma",
                          [("high", "transformer", 0.3), ("low", "transformer_2", 0.95)])
 def test_wan22_train_experts_selects_what_trains(tiny_wan22_dir, tmp_path, train_experts, trained, frozen_sigma):
-    from peft import LoraConfig, get_peft_model_state_dict
-
-    from pipelines.wan import LORA_WEIGHTS_NAME, LOW_NOISE_LORA_WEIGHTS_NAME
+    from pipelines.wan22 import LORA_WEIGHTS_NAME, LOW_NOISE_LORA_WEIGHTS_NAME
 
     model = load_model("wan", tiny_wan22_dir, options={**VIDEO_OPTIONS, "train_experts": train_experts})
     experts = model.transformer
-    experts.add_adapter(LoraConfig(r=2, target_modules=model.lora_target_modules))
+    model.add_lora(2, 8, model.lora_target_modules, "default")
     adapted = {name for name in ("transformer", "transformer_2")
                if any("lora_A" in n for n, _ in getattr(experts, name).named_parameters())}
     assert adapted == {trained}
-    keys = get_peft_model_state_dict(experts)
+    keys = model.lora_state_dict()
     assert keys and all(k.startswith(trained + ".") for k in keys)
     model.save_lora_weights(str(tmp_path), keys)
     written = {p.name for p in tmp_path.glob("*.safetensors")}
@@ -374,8 +358,9 @@ def test_wan22_train_experts_selects_what_trains(tiny_wan22_dir, tmp_path, train
         model.velocity(x, torch.tensor([frozen_sigma]), cond, 5.0)   # gradients on: loss reaches nothing
     with torch.no_grad():   # sampling with the frozen expert is fine
         model.velocity(x, torch.tensor([frozen_sigma]), cond, 5.0)
-    # full fine-tuning: requires_grad_(True) unfreezes the selected expert only
-    experts.requires_grad_(False).requires_grad_(True)
+    # full fine-tuning unfreezes the selected expert only
+    experts.requires_grad_(False)
+    model.train_full_weights()
     unfrozen = {name for name in ("transformer", "transformer_2")
                 if any(p.requires_grad for p in getattr(experts, name).parameters())}
     assert unfrozen == {trained}
@@ -384,22 +369,11 @@ def test_wan22_train_experts_selects_what_trains(tiny_wan22_dir, tmp_path, train
 def test_wan22_full_weights_save_in_the_pipeline_layout(wan22, tmp_path):
     from diffusers import WanTransformer3DModel
 
-    wan22.transformer.save_pretrained(tmp_path / "transformer")
+    wan22.save_full_weights(tmp_path)
     for name in ("transformer", "transformer_2"):
         loaded = WanTransformer3DModel.from_pretrained(tmp_path / name)
         original = getattr(wan22.transformer, name).state_dict()
         assert all(torch.equal(v, original[k]) for k, v in loaded.state_dict().items())
-
-
-def test_wan22_fsdp_wraps_the_blocks_of_both_experts(wan22, monkeypatch):
-    """fsdp.yaml's transformer-based auto-wrap finds Wan's block class on the two-expert module
-    (the wrap policy only; FSDP runs with the experts are untested)."""
-    from tests.test_accelerate_configs import fsdp_plugin
-
-    plugin = fsdp_plugin("fsdp.yaml", monkeypatch)
-    plugin.set_auto_wrap_policy(wan22.transformer)
-    classes = plugin.auto_wrap_policy.keywords["transformer_layer_cls"]
-    assert {c.__name__ for c in classes} == {"WanTransformerBlock"}
 
 
 def test_wan22_default_size_is_the_pipelines(tiny_wan22_dir):
@@ -481,7 +455,7 @@ def _wan22_train_config(path, tmp_path, *overrides: str, options=None, iteration
 
 
 def _plans():
-    from tests.test_trainer import PLANS
+    from tests.helpers import PLANS
 
     return PLANS
 
@@ -508,11 +482,11 @@ def test_wan22_training_updates_both_experts_and_checkpoints_load_into_stock_pip
     adapter's samples."""
     from flowgrpo.trainer import Trainer
 
-    from pipelines.wan import LORA_WEIGHTS_NAME, LOW_NOISE_LORA_WEIGHTS_NAME, load_wan22_lora
+    from pipelines.wan22 import LORA_WEIGHTS_NAME, LOW_NOISE_LORA_WEIGHTS_NAME, load_wan22_lora
 
     trainer = Trainer(_wan22_train_config(tiny_wan22_dir, tmp_path, "model.gradient_checkpointing=true",
                                           "training.kl_beta=0.004", iterations=2))
-    assert trainer.module.is_gradient_checkpointing
+    assert all(expert.is_gradient_checkpointing for expert in trainer.module.experts)
     model = trainer.model
     assert model.high_noise_steps(model.sigmas(4)[:-1]).tolist() == [True, False, False, False]
     before = {e: _lora_weights(trainer.module, e) for e in ("transformer", "transformer_2")}
@@ -537,7 +511,7 @@ def test_wan22_training_one_expert(tiny_wan22_dir, tmp_path):
     expert's LoRA exists and moves, and only its file is written."""
     from flowgrpo.trainer import Trainer
 
-    from pipelines.wan import LORA_WEIGHTS_NAME
+    from pipelines.wan22 import LORA_WEIGHTS_NAME
 
     trainer = Trainer(_wan22_train_config(
         tiny_wan22_dir, tmp_path, "sampling.plan.kind=one_step", "sampling.plan.one_step_range=[0,1]",
@@ -558,7 +532,7 @@ def test_wan22_ddp_two_processes_train_the_same_weights_as_one(tiny_wan22_dir, t
     is unused in that forward. The adapter says so (may_skip_parameters) and the trainer has DDP
     look for unused parameters, with no config option: the two processes end with the weights
     of one process (~60 s)."""
-    from tests.test_multiprocess import assert_same_weights, final_weights, launch, train_config
+    from tests.helpers import assert_same_weights, final_weights, launch, train_config
 
     model = {"family": "wan", "path": tiny_wan22_dir, "options": dict(VIDEO_OPTIONS),
              "lora": {"rank": 4, "alpha": 8}}

@@ -12,7 +12,8 @@ import torch
 
 from flowgrpo.config import load_config
 from flowgrpo.ema import EMA, ema_decay
-from flowgrpo.flow_policy import FlowPolicy, ema_updates_per_step, rollout_sigmas
+from flowgrpo.flow_batches import ema_updates_per_step, rollout_sigmas
+from flowgrpo.flow_policy import FlowPolicy
 from flowgrpo.losses import (batch_mean_dt_weights, flow_kl, guard_log_ratio, policy_loss,
                              std_over_sqrt_dt_weights)
 from flowgrpo.plans import PlanConfig, dance_count, make_plan, sample_trained_steps

@@ -1,4 +1,4 @@
-"""Fault injection for issue 18 (docs/reliability.md lists what each test proves): non-finite
+"""Fault injection (docs/reliability.md lists what each test proves): non-finite
 rewards and gradients, refused and resumed run folders, durable checkpoints and metrics,
 config ranges, secrets, prompt files, the CLI's error handling, and a kill -9 loop (slow)."""
 from __future__ import annotations
@@ -18,35 +18,19 @@ import yaml
 from safetensors.torch import load_file
 
 from flowgrpo import checkpoint as ckpt
+from flowgrpo import run_folder
 from flowgrpo.config import (ConfigError, InputError, load_config, redact, resume_signature,
                              to_dict)
 from flowgrpo.trainer import Trainer
+from tests import helpers
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def tiny_data(model_path: str, root: Path, **sections: dict) -> dict:
-    """A tiny-SD3 run config (as in tests/test_trainer.py) under ``root``; ``sections`` update
-    its sections."""
-    data = {
-        "name": "tiny",
-        "model": {"family": "sd3", "path": model_path, "options": {"height": 32, "width": 32},
-                  "lora": {"rank": 4, "alpha": 8}},
-        "prompts": {"train": str(root / "prompts.txt"), "eval": None},
-        "sampling": {"num_steps": 4, "eval_num_steps": 4, "rollout_batch_size": 4,
-                     "guidance_scale": 1.0},
-        "training": {"prompts_per_iteration": 2, "group_size": 4, "lr": 1e-2, "clip_low": 0.2},
-        "rewards": {"components": [{"name": "tests.helpers:Brightness"}], "threaded": False},
-        "run": {"output_dir": str(root / "runs"), "max_iterations": 1, "tracker": "none",
-                "progress": False, "checkpoint_every": 0, "eval_every": 0,
-                "comparison_grid": False},
-    }
-    for key, value in sections.items():
-        data[key] = {**data.get(key, {}), **value} if isinstance(value, dict) else value
-    root.mkdir(parents=True, exist_ok=True)
-    if not (root / "prompts.txt").exists():
-        (root / "prompts.txt").write_text("a red square\na blue circle\na green cat\n")
-    return data
+    """``helpers.tiny_data`` without the comparison grid; ``sections`` update its sections."""
+    run = {"comparison_grid": False, **sections.pop("run", {})}
+    return helpers.tiny_data(model_path, root, run=run, **sections)
 
 
 def tiny(model_path: str, root: Path, *overrides: str, **sections: dict):
@@ -197,7 +181,7 @@ def test_resume_latest_without_a_checkpoint_fails_before_the_model_loads(
     # auto with nothing to resume starts from scratch (here: up to the model load)
     with pytest.raises(AssertionError, match="model was loaded"):
         Trainer(config, resume="auto", overwrite=False)
-    assert ckpt.read_run_id(run_dir)
+    assert run_folder.read_run_id(run_dir)
 
 
 def _fake_checkpoint(run_dir: Path, iteration: int, run_id: str | None = None,
@@ -214,19 +198,19 @@ def _fake_checkpoint(run_dir: Path, iteration: int, run_id: str | None = None,
 def test_run_ids_are_checked_on_resume_unless_the_checkpoint_is_named(tmp_path):
     run_dir = tmp_path / "run"
     signature = {"model.family": "sd3"}
-    first = ckpt.open_run(run_dir, resume=None, overwrite=False, signature=signature, name="r")
+    first = run_folder.open_run(run_dir, resume=None, overwrite=False, signature=signature, name="r")
     _fake_checkpoint(run_dir, 1, first["run_id"], signature)
-    again = ckpt.open_run(run_dir, resume="latest", overwrite=False, signature=signature, name="r")
+    again = run_folder.open_run(run_dir, resume="latest", overwrite=False, signature=signature, name="r")
     assert again["run_id"] == first["run_id"] and again["checkpoint"].endswith("1")
     # a checkpoint of another run copied into this folder
     _fake_checkpoint(run_dir, 2, "0123456789abcdef", signature)
     with pytest.raises(InputError, match="belongs to run 0123456789abcdef.*--resume"):
-        ckpt.open_run(run_dir, resume="latest", overwrite=False, signature=signature, name="r")
-    named = ckpt.open_run(run_dir, resume=str(run_dir / "checkpoints" / "2"), overwrite=False,
+        run_folder.open_run(run_dir, resume="latest", overwrite=False, signature=signature, name="r")
+    named = run_folder.open_run(run_dir, resume=str(run_dir / "checkpoints" / "2"), overwrite=False,
                           signature=signature, name="r")
     assert named["run_id"] == first["run_id"]        # the folder's run continues from it
     # another run's checkpoint named into a new folder: a fork with its own id
-    fork = ckpt.open_run(tmp_path / "fork", resume=str(run_dir / "checkpoints" / "1"),
+    fork = run_folder.open_run(tmp_path / "fork", resume=str(run_dir / "checkpoints" / "1"),
                          overwrite=False, signature=signature, name="f")
     assert fork["run_id"] not in (first["run_id"], None)
 
@@ -234,13 +218,13 @@ def test_run_ids_are_checked_on_resume_unless_the_checkpoint_is_named(tmp_path):
 def test_resume_refuses_a_changed_model_lora_layout_or_plan(tiny_sd3_path, tmp_path):
     saved = json.loads(json.dumps(resume_signature(tiny(tiny_sd3_path, tmp_path))))
     run_dir = tmp_path / "run"
-    ckpt.open_run(run_dir, resume=None, overwrite=False, signature=saved, name="r")
-    _fake_checkpoint(run_dir, 1, ckpt.read_run_id(run_dir), saved)
+    run_folder.open_run(run_dir, resume=None, overwrite=False, signature=saved, name="r")
+    _fake_checkpoint(run_dir, 1, run_folder.read_run_id(run_dir), saved)
     changed = tiny(tiny_sd3_path, tmp_path, "model.lora.rank=8", "sampling.plan.kind=branch",
                    "sampling.plan.window_size=2", "model.lora.target_modules=[to_q]")
     current = json.loads(json.dumps(resume_signature(changed)))
     with pytest.raises(InputError) as err:
-        ckpt.open_run(run_dir, resume="latest", overwrite=False, signature=current, name="r")
+        run_folder.open_run(run_dir, resume="latest", overwrite=False, signature=current, name="r")
     for field in ("model.lora.rank", "model.lora.target_modules", "sampling.plan"):
         assert field in str(err.value)
     # what a resume may change (lr, iterations) is not part of the signature
@@ -250,38 +234,38 @@ def test_resume_refuses_a_changed_model_lora_layout_or_plan(tiny_sd3_path, tmp_p
 
 def test_overwrite_empties_a_run_folder_and_refuses_any_other_folder(tmp_path):
     run_dir = tmp_path / "run"
-    ckpt.open_run(run_dir, resume=None, overwrite=False, signature={}, name="r")
-    _fake_checkpoint(run_dir, 1, ckpt.read_run_id(run_dir))
+    run_folder.open_run(run_dir, resume=None, overwrite=False, signature={}, name="r")
+    _fake_checkpoint(run_dir, 1, run_folder.read_run_id(run_dir))
     (run_dir / "metrics.jsonl").write_text('{"iteration": 1}\n')
-    ckpt.open_run(run_dir, resume=None, overwrite=True, signature={}, name="r")
+    run_folder.open_run(run_dir, resume=None, overwrite=True, signature={}, name="r")
     assert sorted(p.name for p in run_dir.iterdir()) == ["run.json"]
     other = tmp_path / "photos"
     other.mkdir()
     (other / "holiday.jpg").write_bytes(b"x")
     with pytest.raises(InputError, match="does not look like a flowgrpo run folder"):
-        ckpt.open_run(other, resume=None, overwrite=True, signature={}, name="photos")
+        run_folder.open_run(other, resume=None, overwrite=True, signature={}, name="photos")
     assert (other / "holiday.jpg").read_bytes() == b"x"
 
 
 def test_a_run_folder_in_use_is_refused(tmp_path):
-    first = ckpt.RunLock(tmp_path / "run")
+    first = run_folder.RunLock(tmp_path / "run")
     first.acquire()
     try:
         with pytest.raises(InputError, match="in use by another training process"):
-            ckpt.RunLock(tmp_path / "run").acquire()
+            run_folder.RunLock(tmp_path / "run").acquire()
     finally:
         first.release()
-    second = ckpt.RunLock(tmp_path / "run")
+    second = run_folder.RunLock(tmp_path / "run")
     second.acquire()      # free again once released
     second.release()
 
 
 def test_resuming_an_earlier_checkpoint_sets_the_later_ones_aside(tmp_path):
     run_dir = tmp_path / "run"
-    run_id = ckpt.open_run(run_dir, resume=None, overwrite=False, signature={}, name="r")["run_id"]
+    run_id = run_folder.open_run(run_dir, resume=None, overwrite=False, signature={}, name="r")["run_id"]
     for iteration in (1, 2, 3):
         _fake_checkpoint(run_dir, iteration, run_id)
-    out = ckpt.open_run(run_dir, resume=str(run_dir / "checkpoints" / "1"), overwrite=False,
+    out = run_folder.open_run(run_dir, resume=str(run_dir / "checkpoints" / "1"), overwrite=False,
                         signature={}, name="r")
     assert [p.name for p in ckpt.list_checkpoints(run_dir)] == ["1"]
     aside = [p for p in (run_dir / "checkpoints").iterdir() if p.name.startswith("superseded")]
@@ -310,7 +294,7 @@ def test_incomplete_checkpoints_are_skipped_and_never_counted_by_rotation(tmp_pa
     ckpt.prune_checkpoints(run_dir, keep=1)
     assert (root / "1").is_dir()                  # the newest complete one stays
     assert sorted(p.name for p in root.iterdir()) == ["1", "2", "3", "4", "5"]
-    found = ckpt.open_run(run_dir, resume="latest", overwrite=False, signature={}, name="r")
+    found = run_folder.open_run(run_dir, resume="latest", overwrite=False, signature={}, name="r")
     assert found["checkpoint"] == str(root / "1")
     assert sum("skipped incomplete checkpoint" in n for n in found["notes"]) == 4
     # a damaged file of the right size: caught by its sha256 when a resume picks it
@@ -320,13 +304,13 @@ def test_incomplete_checkpoints_are_skipped_and_never_counted_by_rotation(tmp_pa
     with pytest.raises(InputError, match="damaged.*rng.safetensors"):
         ckpt.load_checkpoint(root / "1", verify_hashes=True)
     with pytest.raises(InputError, match="every checkpoint .* is damaged"):
-        ckpt.open_run(run_dir, resume="latest", overwrite=False, signature={}, name="r")
+        run_folder.open_run(run_dir, resume="latest", overwrite=False, signature={}, name="r")
     with pytest.raises(InputError, match="damaged"):
-        ckpt.open_run(run_dir, resume=str(root / "1"), overwrite=False, signature={}, name="r")
+        run_folder.open_run(run_dir, resume=str(root / "1"), overwrite=False, signature={}, name="r")
     _fake_checkpoint(run_dir, 6, "r")
     _fake_checkpoint(run_dir, 7, "r")
     (root / "7" / "rng.safetensors").write_bytes(bytes(data))     # the newest is damaged
-    found = ckpt.open_run(run_dir, resume="latest", overwrite=False, signature={}, name="r")
+    found = run_folder.open_run(run_dir, resume="latest", overwrite=False, signature={}, name="r")
     assert found["checkpoint"] == str(root / "6")
     assert any("checkpoint 7 is damaged" in n for n in found["notes"])
 
@@ -358,7 +342,7 @@ def test_same_iteration_resave_is_atomic_and_stale_folders_are_swept(tmp_path, m
     monkeypatch.setattr(ckpt.os, "replace", real_replace)
     assert not (root / "5").exists() and (root / ".old-5").is_dir() and (root / ".tmp-5").is_dir()
     (root / ".engine-7").mkdir()
-    notes = ckpt.sweep_stale(run_dir)
+    notes = run_folder.sweep_stale(run_dir)
     assert sorted(p.name for p in root.iterdir()) == ["5"]
     assert any("restored checkpoint 5" in n for n in notes)
     assert float(load_file(str(root / "5" / "trainable.safetensors"))["w"][0]) == 1.0
@@ -387,7 +371,7 @@ def test_checkpoints_store_the_run_id_and_signature(tiny_sd3_path, tmp_path):
     trainer.train()
     folder = trainer.run_dir / "checkpoints" / "1"
     state = json.loads((folder / "trainer_state.json").read_text())
-    assert state["run_id"] == ckpt.read_run_id(trainer.run_dir)
+    assert state["run_id"] == run_folder.read_run_id(trainer.run_dir)
     assert state["signature"]["model.lora.rank"] == 4
     marker = json.loads((folder / "COMPLETE.json").read_text())
     assert {"trainable.safetensors", "trainer_state.json",
@@ -539,11 +523,12 @@ def test_cli_prints_input_errors_in_one_line_and_keeps_other_tracebacks(tmp_path
 
 
 def test_a_broken_commands_module_is_an_error_not_missing_subcommands(monkeypatch):
-    from flowgrpo import cli
+    import importlib
 
     monkeypatch.setitem(sys.modules, "flowgrpo.commands", None)   # import raises ImportError
+    monkeypatch.delitem(sys.modules, "flowgrpo.cli", raising=False)
     with pytest.raises(ImportError):
-        cli.build_parser()
+        importlib.import_module("flowgrpo.cli")
 
 
 # --------------------------------------------------------------------------- kill -9 loop

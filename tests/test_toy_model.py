@@ -209,3 +209,35 @@ def test_lora_weights_round_trip_through_diffusers_loader(tiny, tmp_path):
     assert not torch.allclose(base, expected, atol=1e-4)
     with pytest.raises(ValueError, match="transformer_lora_state_dict"):
         tiny.save_lora_weights(str(tmp_path), {})
+
+
+def test_the_training_methods_switch_what_trains_and_what_runs(tiny_dir):
+    """FlowModel's training methods (pipelines.base.TransformerTraining, as for every family):
+    add_lora leaves only the adapter trainable, disable_lora runs the base weights exactly and
+    enable_lora the adapter again, lora_state_dict holds the adapter's tensors, and
+    train_full_weights unfreezes the transformer."""
+    model = ToyFlowModel.from_pretrained(tiny_dir)
+    cond = model.encode_prompts(["a red circle"])
+    x = model.initial_noise(1, torch.Generator().manual_seed(0))
+    sigma = torch.tensor([0.5])
+    with torch.no_grad():
+        base = model.velocity(x, sigma, cond, 1.0)
+        model.add_lora(4, 8, model.lora_target_modules, "gaussian")
+        for name, p in model.transformer.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.5)
+        adapted = model.velocity(x, sigma, cond, 1.0)
+        model.disable_lora()
+        disabled = model.velocity(x, sigma, cond, 1.0)
+        model.enable_lora()
+        enabled = model.velocity(x, sigma, cond, 1.0)
+    trainable = {n for n, p in model.transformer.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    assert (adapted - base).abs().max() > 1e-3
+    assert torch.equal(disabled, base) and torch.equal(enabled, adapted)
+    state = model.lora_state_dict()
+    assert len(state) == len(trainable) and all("lora_" in k for k in state)
+    frozen = ToyFlowModel.from_pretrained(tiny_dir)
+    assert not any(p.requires_grad for p in frozen.transformer.parameters())
+    frozen.train_full_weights()
+    assert all(p.requires_grad for p in frozen.transformer.parameters())

@@ -7,38 +7,10 @@ import json
 import pytest
 import torch
 
-from flowgrpo.config import ConfigError, load_config
+from flowgrpo.config import ConfigError
 from flowgrpo.trainer import Trainer
+from tests.helpers import PLANS, tiny_config
 
-PLANS = {
-    "full": ["sampling.plan.kind=full"],
-    "full_random": ["sampling.plan.kind=full", "sampling.plan.train_fraction=0.6",
-                    "sampling.plan.train_select=random"],
-    "window": ["sampling.plan.kind=window", "sampling.plan.window_size=2"],
-    "window_dpm": ["sampling.plan.kind=window", "sampling.plan.window_size=2",
-                   "sampling.plan.solver_after=dpmpp_2m", "sampling.plan.compress_ratio=0.5"],
-    "branch": ["sampling.plan.kind=branch", "sampling.plan.window_size=2"],
-    "one_step": ["sampling.plan.kind=one_step"],
-}
-
-
-def tiny_config(path: str, tmp_path, *overrides: str):
-    data = {
-        "name": "tiny",
-        "model": {"family": "sd3", "path": path, "options": {"height": 32, "width": 32},
-                  "lora": {"rank": 4, "alpha": 8}},
-        "prompts": {"train": str(tmp_path / "prompts.txt"), "eval": None},
-        "sampling": {"num_steps": 4, "eval_num_steps": 4, "rollout_batch_size": 4,
-                     "guidance_scale": 1.0},
-        "training": {"prompts_per_iteration": 2, "group_size": 4, "lr": 1e-2,
-                     "clip_low": 0.2},
-        "rewards": {"components": [{"name": "tests.helpers:Brightness"}], "threaded": False},
-        "run": {"output_dir": str(tmp_path / "runs"), "max_iterations": 1, "tracker": "none",
-                "progress": False, "checkpoint_every": 0, "eval_every": 0},
-    }
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    (tmp_path / "prompts.txt").write_text("a red square\na blue circle\na green cat\n")
-    return load_config(data=data, overrides=list(overrides))
 
 
 @pytest.mark.parametrize("plan", sorted(PLANS))

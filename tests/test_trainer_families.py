@@ -6,8 +6,7 @@ import pytest
 
 from flowgrpo.config import load_config
 from flowgrpo.trainer import Trainer
-from tests.pipelines_fixtures import (IMAGE_OPTIONS, VIDEO_OPTIONS, tiny_flux_dir,  # noqa: F401
-                                     tiny_sd3_dir, tiny_wan_dir)
+from tests.pipeline_helpers import IMAGE_OPTIONS, VIDEO_OPTIONS
 
 CASES = {
     # SD3 with real CFG during rollout and training (both branches carry gradient).

@@ -28,23 +28,29 @@ import argparse
 
 from flowgrpo.commands.evaluate import run_eval
 from flowgrpo.commands.grid import run_grid
+from flowgrpo.commands.common import FALLBACK_SAMPLING, SAMPLING_DEFAULTS
 from flowgrpo.commands.sample import run_sample
 from flowgrpo.dtypes import DTYPE_NAMES
+from pipelines import MODEL_FAMILIES
 
 
 # ================================================================================ parsers
 def _add_model_arguments(parser: argparse.ArgumentParser, required: bool = True) -> None:
     parser.add_argument("--model", required=required, metavar="FAMILY:PATH",
-                        help="model family (sd3, flux, wan, toy) and hub id or local folder, "
-                             "e.g. sd3:stabilityai/stable-diffusion-3.5-medium")
+                        help=f"model family ({', '.join(MODEL_FAMILIES)}) and hub id or local "
+                             f"folder, e.g. sd3:stabilityai/stable-diffusion-3.5-medium")
     parser.add_argument("--options", nargs="*", metavar="KEY=VALUE",
                         help="family options, e.g. height=512 width=512 (see pipelines/<family>.py)")
+    steps, guidance = (", ".join(f"{family} {value[i]:g}"
+                                 for family, value in SAMPLING_DEFAULTS.items()) for i in (0, 1))
     parser.add_argument("--steps", type=int, default=None,
-                        help="ODE (Euler) steps; default: the family's evaluation setting "
-                             "(SD3 40, FLUX 28, Wan 50, toy: its toy_config.json)")
+                        help=f"ODE (Euler) steps; default: the family's evaluation setting "
+                             f"({steps}; toy: its toy_config.json; others "
+                             f"{FALLBACK_SAMPLING[0]})")
     parser.add_argument("--guidance", type=float, default=None,
-                        help="CFG scale (FLUX: guidance embedding); default: the family's "
-                             "(SD3 4.5, FLUX 3.5, Wan 5, toy: its toy_config.json)")
+                        help=f"CFG scale (FLUX: guidance embedding); default: the family's "
+                             f"({guidance}; toy: its toy_config.json; others "
+                             f"{FALLBACK_SAMPLING[1]:g})")
     parser.add_argument("--batch-size", type=int, default=None if not required else 8,
                         help="samples per transformer call")
     parser.add_argument("--device", default="auto",

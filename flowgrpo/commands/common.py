@@ -7,11 +7,19 @@ import os
 import re
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
 
+import torch
+import yaml
+from torch import Tensor
+from tqdm.auto import tqdm
 
-if TYPE_CHECKING:       # torch is imported where it is used, so `flowgrpo --help` stays fast
-    from torch import Tensor
+import pipelines
+from flowgrpo.prompts import load_prompts
+from flowgrpo.rollout import sample_ode
+from pipelines import MODEL_FAMILIES
+from pipelines.base import is_local_path
+from reward_models import MultiReward
+from reward_models.loading import resolve_reward_class
 
 # family -> (steps, guidance) of the deterministic sampler when the flags are not given: the
 # evaluation settings of Flow-GRPO (SD3.5: 40 steps, CFG 4.5; FLUX.1: 28 steps, guidance
@@ -19,14 +27,13 @@ if TYPE_CHECKING:       # torch is imported where it is used, so `flowgrpo --hel
 # defaults (``toy_config.json``).
 SAMPLING_DEFAULTS: dict[str, tuple[int, float]] = {"sd3": (40, 4.5), "flux": (28, 3.5),
                                                    "flux_kontext": (28, 3.5), "wan": (50, 5.0)}
+FALLBACK_SAMPLING = (20, 1.0)   # a family not listed and without its own defaults
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
 
 
 # ================================================================================ argument parsing
 def parse_model(text: str) -> tuple[str, str]:
     """``"FAMILY:PATH"`` -> (family, path); the family must be a known one."""
-    from pipelines import MODEL_FAMILIES
-
     family, sep, path = text.partition(":")
     if not sep or not path:
         raise ValueError(f"--model must look like FAMILY:PATH, e.g. sd3:stabilityai/"
@@ -59,8 +66,6 @@ def parse_seeds(text: str | list[str]) -> list[int]:
 
 def parse_options(items: list[str] | None) -> dict:
     """``["height=512", "cfg=false"]`` -> {"height": 512, "cfg": False} (values read as YAML)."""
-    import yaml
-
     options = {}
     for item in items or []:
         key, sep, raw = item.partition("=")
@@ -74,8 +79,6 @@ def parse_reward_specs(text: str, flag: str = "--rewards") -> list[dict]:
     """``--rewards``: ``"ocr"``, ``"ocr=1.0,aesthetic=0.1"`` (name=weight; names may be
     ``package.module:Class``) or a YAML/JSON list of spec dicts (``"[{name: ocr, batch_size: 8}]"``)
     -> list of MultiReward specs. ``flag`` names the option in errors (``--eval-rewards``)."""
-    import yaml
-
     text = text.strip()
     if text.startswith("["):
         specs = yaml.safe_load(text)
@@ -122,7 +125,6 @@ def load_held_out(specs: list[dict], reward_keys, device: str):
     reported under one name."""
     if not specs:
         return None
-    from reward_models import MultiReward
 
     held_out = MultiReward(specs, device=device)
     clash = sorted(set(held_out.rewards) & (set(reward_keys) | {"total"}))
@@ -135,8 +137,6 @@ def load_held_out(specs: list[dict], reward_keys, device: str):
 
 def check_reward_names(specs: list[dict]) -> None:
     """Resolve every reward name (cheap: imports the class, loads no weights)."""
-    from reward_models.loading import resolve_reward_class
-
     for spec in specs:
         if "name" not in spec:
             raise ValueError(f"reward spec {spec!r} has no 'name'")
@@ -146,8 +146,6 @@ def check_reward_names(specs: list[dict]) -> None:
 def resolve_prompts(text: str) -> list[dict]:
     """``--prompts``: a prompt file (.txt, one a line; .jsonl with prompt/metadata), ``toy:<split>``,
     or else the text itself as the only prompt. Records ``{"prompt", "metadata"}``."""
-    from flowgrpo.prompts import load_prompts
-
     looks_like_file = Path(text).suffix in (".txt", ".jsonl")
     if text.startswith("toy:") or Path(text).is_file():
         return load_prompts(text)
@@ -161,8 +159,6 @@ def resolve_prompts(text: str) -> list[dict]:
 
 def check_model_path(family: str, path: str) -> None:
     """A local model folder must exist (hub ids are left to ``from_pretrained``)."""
-    from pipelines.base import is_local_path
-
     if is_local_path(path) and not os.path.isdir(os.path.expanduser(path)):
         raise FileNotFoundError(f"--model {family}:{path}: folder {path} does not exist (give a "
                                 f"diffusers pipeline folder or a hub id 'org/name')")
@@ -184,8 +180,6 @@ def check_writable_dir(path: str | os.PathLike, flag: str) -> Path:
 # ================================================================================ sampling
 def resolve_device(name: str) -> str:
     """``auto`` -> "cuda" when available, else "cpu"; anything else unchanged."""
-    import torch
-
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     return name
@@ -193,10 +187,6 @@ def resolve_device(name: str) -> str:
 
 def load_flow_model(family: str, path: str, dtype: str, device: str, options: dict):
     """``pipelines.load_model`` (looked up at call time, so tests can forbid it)."""
-    import torch
-
-    import pipelines
-
     return pipelines.load_model(family, path, dtype=getattr(torch, dtype), device=device,
                                 options=options)
 
@@ -208,15 +198,13 @@ def default_sampling(model, family: str, steps: int | None, guidance: float | No
     if defaults is not None and hasattr(defaults, "eval_steps"):
         fallback = (int(defaults.eval_steps), float(defaults.guidance_scale))
     else:
-        fallback = SAMPLING_DEFAULTS.get(family, (20, 1.0))
+        fallback = SAMPLING_DEFAULTS.get(family, FALLBACK_SAMPLING)
     return (fallback[0] if steps is None else steps,
             fallback[1] if guidance is None else guidance)
 
 
 def seed_noise(model, seeds: list[int]) -> Tensor:
     """(len(seeds), ...) initial noise: row i = ``model.initial_noise(1, Generator().manual_seed(s_i))``."""
-    import torch
-
     return torch.cat([model.initial_noise(1, torch.Generator().manual_seed(seed)) for seed in seeds])
 
 
@@ -225,10 +213,6 @@ def generate(model, prompts: list[str], noise: Tensor, num_steps: int, guidance_
     """Deterministic samples (B, ...) for prompts (B) from noise (B, ...), ``batch_size`` at a
     time (``sample_ode`` on each chunk; ``progress.update(1)`` per chunk). ``images``: B source
     images (3, H, W) for an editing model."""
-    import torch
-
-    from flowgrpo.rollout import sample_ode
-
     chunks = []
     for start in range(0, len(prompts), batch_size):
         chunks.append(sample_ode(model, prompts[start:start + batch_size],
@@ -246,8 +230,6 @@ def slug(text: str, max_length: int = 40) -> str:
 
 
 def progress_bar(total: int, desc: str, quiet: bool):
-    from tqdm.auto import tqdm
-
     return tqdm(total=total, desc=desc, disable=quiet, dynamic_ncols=True, leave=False)
 
 

@@ -5,19 +5,23 @@ import argparse
 import json
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from flowgrpo.checkpoint_inspection import (BASE, Checkpoint, check_checkpoint,
-                                            checkpoint_applied, resolve_checkpoint)
+import torch
+from torch import Tensor
+
+from flowgrpo.checkpoint_inspection import (BASE, Checkpoint, check_checkpoint, checkpoint_applied,
+                                            resolve_checkpoint)
 from flowgrpo.commands.common import (check_model_path, check_positive, check_reward_names,
                                       check_writable_dir, default_sampling, generate,
-                                      held_out_specs, json_number, load_flow_model,
-                                      load_held_out, parse_model, parse_options,
-                                      parse_reward_specs, parse_seeds, progress_bar,
-                                      resolve_device, resolve_prompts, seed_noise)
-
-if TYPE_CHECKING:       # torch is imported where it is used, so `flowgrpo --help` stays fast
-    from torch import Tensor
+                                      held_out_specs, json_number, load_flow_model, load_held_out,
+                                      parse_model, parse_options, parse_reward_specs, parse_seeds,
+                                      progress_bar, resolve_device, resolve_prompts, seed_noise)
+from flowgrpo.config import eval_noise_seed, load_config
+from flowgrpo.heldout import eval_reward_specs, metric_higher_is_better, reward_directions
+from flowgrpo.passk import family_mean_se, format_passk_table, mean_and_se, passk_report
+from flowgrpo.prompts import eval_prompts, eval_selection, record_images, reward_metadata
+from flowgrpo.rollout import eval_noise
+from reward_models import MultiReward
 
 
 # ================================================================================ flowgrpo eval
@@ -26,10 +30,6 @@ def reward_statistics(scores: dict[str, Tensor], families: list[str | None]) -> 
     (samples whose metadata has a "family"); the family mean (GenEval's overall score) and its
     standard error ``family_mean_se`` = sqrt(sum_f se_f^2) / F. se = std / sqrt(count) (population
     std, ``flowgrpo.passk.mean_and_se``). scores: key -> (N,); families: N entries."""
-    import torch
-
-    from flowgrpo.passk import family_mean_se, mean_and_se
-
     def stats(values: Tensor) -> dict:
         valid = values[~values.isnan()].double()
         if len(valid) == 0:
@@ -86,13 +86,8 @@ def format_table(statistics: dict, notes: dict[str, str] | None = None) -> str:
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    from flowgrpo.config import eval_noise_seed
-    from flowgrpo.rollout import eval_noise
-
     config = None
     if args.config:
-        from flowgrpo.config import load_config
-
         config = load_config(args.config, args.overrides)
     elif args.overrides:
         raise ValueError(f"overrides {args.overrides} need a CONFIG file before them")
@@ -116,7 +111,6 @@ def run_eval(args: argparse.Namespace) -> int:
         aggregation = config.rewards.aggregation
         if not specs:
             raise ValueError(f"{args.config} has no rewards.components; pass --rewards")
-    from flowgrpo.heldout import eval_reward_specs
 
     heldout_specs = held_out_specs(args.eval_rewards,
                                    eval_reward_specs(config) if config is not None else None)
@@ -164,8 +158,6 @@ def run_eval(args: argparse.Namespace) -> int:
     out = Path(args.out)
     check_writable_dir(out.parent if str(out.parent) else ".", "--out")
 
-    from reward_models import MultiReward
-
     device = resolve_device(args.device)
     reward = MultiReward(specs, aggregation=aggregation, device=device)
     held_out = load_held_out(heldout_specs, reward.rewards, device)
@@ -174,7 +166,6 @@ def run_eval(args: argparse.Namespace) -> int:
     steps, guidance = default_sampling(model, family, steps, guidance)
     if config is not None and per_prompt is not None:
         # pass@k: the distinct prompts of the config's evaluation, each K times.
-        from flowgrpo.prompts import eval_prompts
 
         records = eval_prompts(records, config.prompts.eval_per_family)
     if seeds is not None:
@@ -188,13 +179,11 @@ def run_eval(args: argparse.Namespace) -> int:
     else:
         # The trainer's evaluation samples and noise (FlowPolicy.evaluate, rollout.eval_noise): its
         # eval/ metrics are reproduced, including eval_per_family's balanced selection.
-        from flowgrpo.prompts import eval_selection
 
         selection = eval_selection(records, config.prompts.eval_per_family, config.prompts.eval_seeds)
         rows = [(record, None) for record in selection]
         noise = eval_noise(model, eval_noise_seed(config), range(len(rows)))
     prompts = [record["prompt"] for record, _ in rows]
-    from flowgrpo.prompts import record_images, reward_metadata
 
     metadata = reward_metadata([record for record, _ in rows])   # + "source_image" when editing
     bar = progress_bar(math.ceil(len(rows) / batch_size), "eval", args.quiet)
@@ -206,7 +195,6 @@ def run_eval(args: argparse.Namespace) -> int:
     if held_out is not None:   # the same samples, scored once more by the held-out metrics
         scores.update({k: v for k, v in held_out(media, prompts, metadata).items()
                        if k != "total"})
-    from flowgrpo.heldout import metric_higher_is_better, reward_directions
 
     directions = reward_directions(reward, held_out)
     heldout_keys = set(held_out.rewards) if held_out is not None else set()
@@ -218,8 +206,6 @@ def run_eval(args: argparse.Namespace) -> int:
     statistics = reward_statistics(scores, families)
     passk = None
     if per_prompt is not None:
-        from flowgrpo.passk import passk_report
-
         # rows are prompt-major with per_prompt samples each: (P * K,) -> (P, K)
         passk = passk_report({k: v.reshape(len(records), per_prompt) for k, v in scores.items()},
                              families[::per_prompt], threshold, passk_keys)
@@ -240,8 +226,6 @@ def run_eval(args: argparse.Namespace) -> int:
     out.write_text(json.dumps(result, indent=2))
     print(format_table(statistics, notes))
     if passk is not None:
-        from flowgrpo.passk import format_passk_table
-
         print()
         print(format_passk_table(passk))
     print(f"{len(rows)} samples, {steps} steps, guidance {guidance}; wrote {out}")

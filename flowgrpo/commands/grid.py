@@ -6,24 +6,24 @@ import json
 import math
 from pathlib import Path
 
+import torch
+
 from flowgrpo.checkpoint_inspection import (check_checkpoint, checkpoint_applied,
                                             resolve_checkpoint, unique_labels)
 from flowgrpo.commands.common import (IMAGE_SUFFIXES, check_model_path, check_positive,
                                       check_reward_names, check_writable_dir, default_sampling,
                                       generate, held_out_specs, json_number, load_flow_model,
-                                      load_held_out, parse_model,
-                                      parse_options, parse_reward_specs, parse_seeds,
-                                      progress_bar, resolve_device, resolve_prompts, seed_noise)
+                                      load_held_out, parse_model, parse_options, parse_reward_specs,
+                                      parse_seeds, progress_bar, resolve_device, resolve_prompts,
+                                      seed_noise)
+from flowgrpo.grids import (cell_caption, page_paths, paginate, render_image_grid,
+                            render_video_grid, save_video, verdict_keys, with_source_column)
+from flowgrpo.prompts import record_images, reward_metadata
+from reward_models import MultiReward
 
 
 # ================================================================================ flowgrpo grid
 def run_grid(args: argparse.Namespace) -> int:
-    import torch
-
-    from flowgrpo.grids import (cell_caption, page_paths, paginate, render_image_grid,
-                                render_video_grid, save_video, verdict_keys, with_source_column)
-    from flowgrpo.prompts import record_images, reward_metadata
-
     family, path = parse_model(args.model)
     records = resolve_prompts(args.prompts)
     seeds = parse_seeds(args.seeds)
@@ -48,8 +48,6 @@ def run_grid(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     reward = None
     if specs:
-        from reward_models import MultiReward
-
         reward = MultiReward(specs, device=device)
     held_out = load_held_out(heldout_specs, reward.rewards if reward is not None else (), device)
     model = load_flow_model(family, path, args.dtype, device, options)

@@ -5,19 +5,21 @@ import argparse
 import json
 import math
 
-from flowgrpo.checkpoint_inspection import (BASE, Checkpoint, check_checkpoint,
-                                            checkpoint_applied, resolve_checkpoint)
+from PIL import Image
+
+from flowgrpo.checkpoint_inspection import (BASE, Checkpoint, check_checkpoint, checkpoint_applied,
+                                            resolve_checkpoint)
 from flowgrpo.commands.common import (check_model_path, check_positive, check_writable_dir,
                                       default_sampling, generate, load_flow_model, parse_model,
                                       parse_options, parse_seeds, progress_bar, resolve_device,
                                       resolve_prompts, seed_noise, slug)
+from flowgrpo.grids import save_video
+from flowgrpo.pixels import to_uint8
+from flowgrpo.prompts import record_images
 
 
 # ================================================================================ flowgrpo sample
 def run_sample(args: argparse.Namespace) -> int:
-    from flowgrpo.grids import save_video
-    from flowgrpo.pixels import to_uint8
-
     family, path = parse_model(args.model)
     records = resolve_prompts(args.prompts)
     seeds = parse_seeds(args.seeds)
@@ -37,7 +39,6 @@ def run_sample(args: argparse.Namespace) -> int:
     prompts = [record["prompt"] for _, record, _ in rows]
     noise = seed_noise(model, [seed for _, _, seed in rows])
     bar = progress_bar(math.ceil(len(rows) / args.batch_size), "sample", args.quiet)
-    from flowgrpo.prompts import record_images
 
     with checkpoint_applied(model, checkpoint):
         media = generate(model, prompts, noise, steps, guidance, args.batch_size, bar,
@@ -50,8 +51,6 @@ def run_sample(args: argparse.Namespace) -> int:
         if item.dim() == 4:        # video (F, 3, H, W)
             files = save_video(to_uint8(item), out / f"{stem}.mp4", fps=args.fps)
         else:
-            from PIL import Image
-
             files = [out / f"{stem}.png"]
             Image.fromarray(to_uint8(item)).save(files[0])
         index.append({"files": [f.name for f in files], "prompt": record["prompt"], "seed": seed,

@@ -24,6 +24,7 @@ import copy
 import random
 
 import numpy as np
+import torch
 
 from flowgrpo.toyworld.grammar import COLORS, prompt_split
 from flowgrpo.toyworld.render import draw, place_scene
@@ -78,8 +79,6 @@ def render_pair(source: dict, edit: dict, seed: int, size: int = 24) -> tuple[np
 def edit_split(split: str) -> list[dict]:
     """Edit records of ``split`` ("edit_train" or "edit_heldout"), with ``image`` a float32 torch
     tensor (3, 24, 24) in [0, 1]; families in ``EDIT_FAMILIES`` order."""
-    import torch
-
     if split not in EDIT_SPLITS:
         raise ValueError(f"split must be one of {EDIT_SPLITS} (got {split!r})")
     grammar_split = "train" if split == "edit_train" else "heldout"

@@ -1,36 +1,18 @@
-"""Shared fixtures and helpers of the model-adapter tests (tests/test_pipelines_*.py).
-
-Tiny random pipeline folders are written once per session (``pipelines.tiny.save_tiny``) and
-loaded through the real ``from_pretrained`` code paths. ``ode_sample`` is the reference Euler
-loop written against the FlowModel interface only; the parity tests compare it with the stock
-diffusers pipeline's own ``__call__``.
+"""Helpers of the model-adapter tests (tests/test_pipelines_*.py); their tiny pipeline folders
+are conftest.py's fixtures. ``ode_sample`` is the reference Euler loop written against the
+FlowModel interface only; the parity tests compare it with the stock diffusers pipeline's own
+``__call__``.
 """
 from __future__ import annotations
 
-import pytest
 import torch
 from torch import Tensor
 
-from pipelines.tiny import TINY_HEIGHT, TINY_NUM_FRAMES, TINY_WIDTH, save_tiny
+from pipelines.tiny import TINY_HEIGHT, TINY_NUM_FRAMES, TINY_WIDTH
 
 TINY_MAX_SEQUENCE_LENGTH = 16
 IMAGE_OPTIONS = {"height": TINY_HEIGHT, "width": TINY_WIDTH, "max_sequence_length": TINY_MAX_SEQUENCE_LENGTH}
 VIDEO_OPTIONS = {**IMAGE_OPTIONS, "num_frames": TINY_NUM_FRAMES}
-
-
-@pytest.fixture(scope="session")
-def tiny_sd3_dir(tmp_path_factory) -> str:
-    return save_tiny("sd3", tmp_path_factory.mktemp("tiny") / "sd3")
-
-
-@pytest.fixture(scope="session")
-def tiny_flux_dir(tmp_path_factory) -> str:
-    return save_tiny("flux", tmp_path_factory.mktemp("tiny") / "flux")
-
-
-@pytest.fixture(scope="session")
-def tiny_wan_dir(tmp_path_factory) -> str:
-    return save_tiny("wan", tmp_path_factory.mktemp("tiny") / "wan")
 
 
 @torch.no_grad()

@@ -1,0 +1,145 @@
+"""The learning signal of an iteration: the rewards gathered over every process, the advantages
+(``advantages.py``: group / batch scaling, decoupled multi-reward, saturation weights), the guards
+against reward hacking on the gathered batch (``training.gardo``: diversity-aware amplification,
+the KL gate, the reference refresh) and the curriculum's record of mixed groups.
+
+``TrainerAdvantages`` is a part of ``flowgrpo.trainer.Trainer``; it uses the trainer's
+``config``, ``accelerator``, ``policy`` / ``reward``, ``feature_extractor``, ``curriculum``,
+``train_buckets``, ``reference_refreshed_at`` and ``group_prompts``, and keeps the gathered
+rewards in ``gathered`` for the curriculum.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from flowgrpo.advantages import (PER_COMPONENT, decoupled_advantages, diversity_weights,
+                                 group_advantages, kl_gate_weights, mask_nonfinite,
+                                 saturation_weights)
+from flowgrpo.guards import gate_uncertainty, media_features
+from flowgrpo.prompts import mixed_groups
+
+
+class TrainerAdvantages:
+    """The advantages-and-guards half of ``Trainer`` (see the module docstring)."""
+
+    def compute_advantages(self, batch, rewards: dict[str, Tensor]
+                           ) -> tuple[Tensor, dict[str, float]]:
+        """Gather rewards over processes, compute advantages on the whole batch, keep ours."""
+        t = self.config.training
+        acc = self.accelerator
+        device = acc.device
+        # Policies hand over NaN for a missing reward (and the reward boundary already turns
+        # +-inf into NaN); masking here too keeps a policy that bypasses it from poisoning the
+        # whole batch's advantages with one inf.
+        gathered = {k: mask_nonfinite(acc.gather(v.to(device)).cpu())[0]
+                    for k, v in rewards.items()}
+        group_ids = acc.gather(batch.group_ids.to(device)).cpu()
+        clip = t.adv_clip or None
+        aggregation = self.config.rewards.aggregation
+        saturation = self.config.rewards.saturation_ratio
+        scales, saturation_stats = None, {}
+        if aggregation in PER_COMPONENT:
+            components = {k: v for k, v in gathered.items() if k in self.reward.weights}
+            if saturation:
+                scales, saturation_stats = saturation_weights(components, group_ids,
+                                                              ratio=saturation, ddof=t.adv_ddof)
+            advantages, stats = decoupled_advantages(
+                components, self.reward.weights, group_ids, ddof=t.adv_ddof, eps=t.adv_eps,
+                clip=clip, batch_normalize=aggregation == "decoupled", component_scales=scales)
+        elif saturation:
+            # The total again, from the weighted components with per-group saturation weights.
+            weights = {k: w for k, w in self.reward.weights.items() if w != 0}
+            components = {k: gathered[k] for k in weights}
+            scales, saturation_stats = saturation_weights(components, group_ids,
+                                                          ratio=saturation, ddof=t.adv_ddof)
+            advantages, stats = decoupled_advantages(
+                components, weights, group_ids, mode="sum_then_normalize", scale=t.adv_scale,
+                ddof=t.adv_ddof, eps=t.adv_eps, clip=clip, component_scales=scales)
+        else:
+            advantages, stats = group_advantages(gathered["total"], group_ids, scale=t.adv_scale,
+                                                 ddof=t.adv_ddof, eps=t.adv_eps, clip=clip)
+        local = len(batch.prompts)
+        start = acc.process_index * local
+        metrics = {f"adv/{k}": float(v) for k, v in stats.items()}
+        metrics.update({f"adv/{k}": float(v) for k, v in saturation_stats.items()})
+        g = t.gardo
+        if g.diversity or g.kl_gate:
+            advantages, guard_metrics = self.apply_guards(batch, gathered, group_ids, advantages)
+            metrics.update(guard_metrics)
+        for name, values in gathered.items():
+            valid = values[~values.isnan()]
+            metrics[f"reward/{name}/mean"] = float(valid.mean()) if len(valid) else float("nan")
+            metrics[f"reward/{name}/std"] = float(valid.std(unbiased=False)) if len(valid) else 0.0
+        metrics["reward/nan_count"] = int(gathered["total"].isnan().sum())
+        # The same on every process (gathered), for the curriculum's bookkeeping.
+        self.gathered = (gathered, group_ids)
+        return advantages[start:start + local], metrics
+
+    def apply_guards(self, batch, gathered: dict[str, Tensor], group_ids: Tensor,
+                     advantages: Tensor) -> tuple[Tensor, dict[str, float]]:
+        """training.gardo on the gathered batch (so every process agrees): diversity-aware
+        amplification of the advantages (``advantages.diversity_weights`` on the media's
+        features, then the clip again) and the KL gate (``advantages.kl_gate_weights``, this
+        process's rows handed to the loss as ``batch.kl_weights``). Returns the advantages and
+        the guards' metrics."""
+        t = self.config.training
+        g = t.gardo
+        acc = self.accelerator
+        metrics: dict[str, float] = {}
+        if g.diversity:
+            local_features = media_features(self.feature_extractor, batch.media)
+            features = acc.gather(local_features.to(acc.device)).cpu()
+            weights, stats = diversity_weights(features, group_ids, advantages)
+            advantages = advantages * weights
+            if t.adv_clip:
+                advantages = advantages.clamp(-t.adv_clip, t.adv_clip)
+            metrics.update({f"adv/{k}": v for k, v in stats.items()})
+        if g.kl_gate:
+            gate = kl_gate_weights(gate_uncertainty(self.config, gathered), g.kl_gate_fraction)
+            local = len(batch.prompts)
+            start = acc.process_index * local
+            batch.kl_weights = gate[start:start + local]
+            metrics["train/kl_gate_share"] = float(gate.mean())
+        return advantages, metrics
+
+    def refresh_reference(self, done: int, metrics: dict[str, float]) -> dict[str, float]:
+        """After iteration ``done`` (1-based): make the KL reference the policy when
+        ``refresh_every`` iterations have passed since the last refresh, or when the update's
+        mean KL over every process exceeded ``refresh_kl`` (GARDO's reference reset). Returns
+        ``train/reference_refreshed`` (1 or 0) and ``train/reference_age`` (iterations since)."""
+        g = self.config.training.gardo
+        acc = self.accelerator
+        kl = metrics.get("train/kl", 0.0)
+        if acc.num_processes > 1:
+            weight = metrics.get("train/replay_batches", 0.0) if "train/kl" in metrics else 0.0
+            local = torch.tensor([[kl * weight, weight]], dtype=torch.float64, device=acc.device)
+            total = acc.gather(local).sum(dim=0).cpu()
+            kl = float(total[0] / total[1]) if total[1] > 0 else 0.0
+        since = done - (self.reference_refreshed_at or 0)
+        due = (g.refresh_every > 0 and since >= g.refresh_every) or \
+            (g.refresh_kl > 0 and kl > g.refresh_kl)
+        if due:
+            self.policy.refresh_reference()
+            self.reference_refreshed_at = done
+        return {"train/reference_refreshed": float(due),
+                "train/reference_age": float(done - (self.reference_refreshed_at or 0))}
+
+    def observe_curriculum(self, iteration: int) -> dict[str, float]:
+        """Record which of the iteration's groups had reward variance (from the gathered rewards,
+        so every process records the same) and return the curriculum's ``train/`` metrics:
+        ``curriculum_mixed_share`` (this iteration's groups), ``curriculum_expected_mixed_share``
+        and ``curriculum_uniform_mixed_share`` (the estimated mixed share of a draw with and
+        without the curriculum, after this update) and ``curriculum_seen_prompts``."""
+        gathered, group_ids = self.gathered
+        keys = (list(self.reward.weights) if self.config.rewards.aggregation in PER_COMPONENT
+                else ["total"])
+        indices = self.group_prompts(iteration)
+        mixed, informative = mixed_groups({k: gathered[k] for k in keys}, group_ids, len(indices))
+        kept = [g for g in range(len(indices)) if bool(informative[g])]
+        self.curriculum.observe([indices[g] for g in kept], [bool(mixed[g]) for g in kept])
+        metrics = {"train/curriculum_mixed_share":
+                   float(mixed[informative].double().mean()) if kept else float("nan")}
+        metrics.update({f"train/curriculum_{k}": v
+                        for k, v in self.curriculum.summary(self.train_buckets).items()})
+        return metrics
