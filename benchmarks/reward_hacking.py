@@ -59,10 +59,10 @@ GUARDS: dict[str, Guard] = {g.name: g for g in (
     Guard("none", "no guard", ()),
     Guard("kl_weak", "KL 0.1", ("training.kl_beta=0.1",)),
     Guard("kl_strong", "KL 1", ("training.kl_beta=1.0",)),
-    Guard("gardo", "GARDO (gated KL 1 on the 10% most uncertain, reference refresh every 40, "
+    Guard("gardo", "GARDO (gated KL 1 on the 10% most uncertain, reference refresh every 10, "
                    "diversity)",
           ("training.kl_beta=1.0", "training.gardo.kl_gate_key=toy_proxy.std",
-           "training.gardo.kl_gate_fraction=0.1", "training.gardo.refresh_every=40",
+           "training.gardo.kl_gate_fraction=0.1", "training.gardo.refresh_every=10",
            "training.gardo.diversity=true")),
     Guard("ensemble_penalty", "ensemble mean - 1 x std",
           (f"rewards.components=[{{name: ensemble, options: {{members: [{_members()}], "
