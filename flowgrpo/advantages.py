@@ -278,6 +278,49 @@ def decoupled_advantages(rewards: dict[str, Tensor], weights: dict[str, float], 
     return advantages, stats
 
 
+def region_advantages(edit_rewards: Tensor, keep_rewards: Tensor, group_ids: Tensor, *,
+                      scale: str = "group", ddof: int = 0, eps: float = 1e-4,
+                      clip: float | None = 5.0) -> tuple[Tensor, dict[str, float]]:
+    """Advantages per region for the locality-preserving loss (Edit-GRPO): column 0 the edit
+    objective's (``group_advantages`` of ``edit_rewards``, applied where the edit should act),
+    column 1 the preservation objective's (of ``keep_rewards``, applied elsewhere). Each column
+    is normalised within the groups on its own, with its own NaN mask and zero-std groups, so a
+    group in which every sample kept the source equally well carries no preservation signal.
+
+    Args:
+        edit_rewards, keep_rewards: (B,) float, NaN = no score.
+        group_ids: (B,) integer group labels.
+        scale, ddof, eps, clip: as ``group_advantages``.
+
+    Returns:
+        advantages (B, 2) float32, and stats: ``edit/<stat>`` and ``keep/<stat>`` of each
+        column's ``group_advantages``, ``zero_std_fraction`` (groups without signal in either
+        column) and ``nan_count`` (samples with either reward NaN).
+    """
+    _check_rewards(edit_rewards, "edit_rewards")
+    _check_rewards(keep_rewards, "keep_rewards")
+    if keep_rewards.shape != edit_rewards.shape:
+        raise ValueError(f"keep_rewards {tuple(keep_rewards.shape)} must have the shape of "
+                         f"edit_rewards {tuple(edit_rewards.shape)}")
+    edit, edit_stats = group_advantages(edit_rewards, group_ids, scale=scale, ddof=ddof, eps=eps,
+                                        clip=clip)
+    keep, keep_stats = group_advantages(keep_rewards, group_ids, scale=scale, ddof=ddof, eps=eps,
+                                        clip=clip)
+    stats = {f"edit/{k}": v for k, v in edit_stats.items()}
+    stats.update({f"keep/{k}": v for k, v in keep_stats.items()})
+    values = torch.stack([edit_rewards, keep_rewards]).detach().to(torch.float64)
+    _, group_index = torch.unique(group_ids.to(values.device), return_inverse=True)
+    num_groups = int(group_index.max()) + 1 if group_index.numel() else 0
+    silent = torch.ones(num_groups, dtype=torch.bool, device=values.device)
+    for column in values:
+        valid = ~torch.isnan(column)
+        silent &= _group_statistics(column, valid, group_index, num_groups, ddof)[2]
+    stats["zero_std_fraction"] = silent.double().mean().item() if num_groups else 0.0
+    stats["nan_count"] = float(torch.isnan(values).any(dim=0).sum().item())
+    stats["num_groups"] = float(num_groups)
+    return torch.stack([edit, keep], dim=1), stats
+
+
 def _component_stats(name: str, values: Tensor, component_stats: dict[str, float]) -> dict[str, float]:
     finite = values[~torch.isnan(values)]
     return {f"{name}/nan_count": component_stats["nan_count"],

@@ -365,6 +365,32 @@ def _cross_section_rules(config: TrainConfig, num_processes: int) -> None:
     _check_eval_rewards(config)
     _check_guards(config)
     _check_select_best(config)
+    _check_locality(config)
+
+
+def _check_locality(config: TrainConfig) -> None:
+    """training.locality replaces the scalar advantage of a sample by two region advantages of
+    its own reward keys, so the options that reshape the scalar advantage or the scalar log-ratio
+    do not compose with it. Its keys are checked against the rewards by the flow policy."""
+    t, r = config.training, config.rewards
+    if not t.locality.enabled:
+        return
+    why = ("training.locality gives each sample two advantages, from locality.edit_key and "
+           "locality.keep_key, applied to the two regions of the latents")
+    if config.policy != "flow":
+        raise ConfigError(f"{why}; it is for policy: flow (images): set training.locality.mask: "
+                          f"off")
+    conflicts = [(r.aggregation != "weighted_sum",
+                  f"rewards.aggregation: {r.aggregation} (set weighted_sum)"),
+                 (r.saturation_ratio != 0, "rewards.saturation_ratio (set 0)"),
+                 (t.kl_reward > 0, "training.kl_reward, which changes the total (set 0)"),
+                 (t.gardo.diversity, "training.gardo.diversity, which scales the scalar "
+                                     "advantage (set false)"),
+                 (t.ratio_norm, "training.ratio_norm, a log-ratio of the whole step (set false)")]
+    for conflict, what in conflicts:
+        if conflict:
+            raise ConfigError(f"{why}; it does not combine with {what}, or set "
+                              f"training.locality.mask: off")
 
 
 # What the LM policy's evaluation reports besides its rewards, as eval/<key> (flowgrpo/llm.py).

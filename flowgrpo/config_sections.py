@@ -16,6 +16,7 @@ from typing import Any
 from flowgrpo.advantages import REWARD_AGGREGATIONS, SCALES
 from flowgrpo.checks import choice, in_range, positive
 from flowgrpo.dtypes import DTYPE_NAMES
+from flowgrpo.edit_regions import REGION_RESIZES
 from flowgrpo.ema import EMA_WARMUPS
 from flowgrpo.errors import ConfigError
 from flowgrpo.losses import KL_CONVENTIONS, TOKEN_AGGREGATIONS, TOKEN_LEVELS
@@ -31,6 +32,7 @@ LORA_INITS = ("gaussian", "default")
 DT_REWEIGHT_NORMS = ("iteration", "batch_mean")
 LOSS_SCALES = ("none", "std_over_sqrt_dt")
 MIXED_PRECISIONS = ("no", "fp16", "bf16")
+LOCALITY_MASKS = ("off", "record", "difference")
 TRACKERS = ("tensorboard", "wandb", "none")
 SELECT_BEST_MODES = ("max", "min", "auto")
 # The values of the choice fields, by dotted name: what ``validate`` accepts and what
@@ -46,7 +48,8 @@ FIELD_CHOICES: dict[str, tuple[str, ...]] = {
     "training.lr_decay": LR_DECAYS, "training.kl_convention": tuple(KL_CONVENTIONS),
     "training.adv_scale": tuple(SCALES), "training.dt_reweight_norm": DT_REWEIGHT_NORMS,
     "training.loss_scale": LOSS_SCALES, "training.mixed_precision": MIXED_PRECISIONS,
-    "training.ema.warmup": EMA_WARMUPS, "rewards.aggregation": REWARD_AGGREGATIONS,
+    "training.ema.warmup": EMA_WARMUPS, "training.locality.mask": LOCALITY_MASKS,
+    "training.locality.resize": REGION_RESIZES, "rewards.aggregation": REWARD_AGGREGATIONS,
     "llm.aggregation": tuple(TOKEN_AGGREGATIONS), "llm.level": tuple(TOKEN_LEVELS),
     "run.tracker": TRACKERS, "run.select_best_mode": SELECT_BEST_MODES,
 }
@@ -347,6 +350,60 @@ class GardoConfig:
 
 
 @dataclass
+class LocalityConfig:
+    """Locality-preserving advantages for editing (after Edit-GRPO): the edit reward's advantage
+    drives the latent elements where the edit should act, the preservation reward's advantage
+    the others, each region with its own clipped ratio (``losses.region_policy_loss``). Off by
+    default; docs/design.md, "Editing: locality-preserving advantages"."""
+
+    mask: str = _help(
+        "Where the edit region comes from: 'off' (one scalar advantage per sample), 'record' "
+        "(each prompt record's \"mask\": toy:edit_* know it exactly, the recoloured object's "
+        "pixels; a JSONL line names a greyscale image, white = edit), or 'difference' (per "
+        "sample, the pixels whose largest channel difference between the source image and the "
+        "sample exceeds difference_threshold).", default="off")
+    edit_key: str = _help(
+        "Reward output whose group advantage drives the edit region, a reward key or "
+        "'<key>.<component>' (toy: 'toy_edit.target', the target scene's verdict).", default="")
+    keep_key: str = _help(
+        "Reward output whose group advantage drives the rest of the image, the preservation "
+        "objective (toy: 'toy_edit.kept', the share of the source's objects kept in place).",
+        default="")
+    difference_threshold: float = _help(
+        "mask: difference: a pixel is in the edit region when max over channels |sample - "
+        "source| exceeds this, in (0, 1) (images in [0, 1]).", default=0.1)
+    resize: str = _help(
+        "How a pixel mask reaches a latent grid smaller than the image (a VAE's, 8x): 'area' "
+        "(each latent cell weighted by the share of its pixels in the region) or 'nearest' "
+        "(the cell's centre pixel decides). The toy model's latents are its pixels (identity).",
+        default="area")
+
+    @property
+    def enabled(self) -> bool:
+        return self.mask != "off"
+
+    def validate(self) -> None:
+        """Values and the keys' presence; what the option needs of other sections (policy,
+        aggregation, reward keys) is a cross-section rule."""
+        choice(self.mask, LOCALITY_MASKS, "training.locality.mask")
+        choice(self.resize, REGION_RESIZES, "training.locality.resize")
+        in_range(self.difference_threshold, 0.0, 1.0, "training.locality.difference_threshold",
+                 low_open=True, high_open=True, meaning=" (images are in [0, 1])")
+        if not self.enabled:
+            return
+        for name in ("edit_key", "keep_key"):
+            if not getattr(self, name):
+                raise ConfigError(f"training.locality.{name} is empty: training.locality.mask "
+                                  f"{self.mask!r} needs the reward outputs of both objectives, "
+                                  f"e.g. edit_key: toy_edit.target, keep_key: toy_edit.kept")
+        if self.edit_key == self.keep_key:
+            raise ConfigError(f"training.locality.edit_key and keep_key are both "
+                              f"{self.edit_key!r}: one advantage for both regions is the scalar "
+                              f"loss; name the edit and the preservation rewards, or set "
+                              f"training.locality.mask: off")
+
+
+@dataclass
 class TrainingConfig:
     prompts_per_iteration: int = _help("Groups (distinct prompts) per iteration, over all processes.",
                                        default=8)
@@ -446,6 +503,9 @@ class TrainingConfig:
     ema: EmaConfig = _help("EMA of trainable weights.", default_factory=EmaConfig)
     gardo: GardoConfig = _help("Guards against reward hacking (GARDO); all off by default.",
                                default_factory=GardoConfig)
+    locality: LocalityConfig = _help(
+        "Locality-preserving advantages for editing (Edit-GRPO); off by default.",
+        default_factory=LocalityConfig)
 
     def validate(self) -> None:
         positive(self.prompts_per_iteration, "training.prompts_per_iteration")
@@ -496,6 +556,7 @@ class TrainingConfig:
                  allow_zero=True)
         self.ema.validate()
         self.gardo.validate()
+        self.locality.validate()
 
 
 @dataclass

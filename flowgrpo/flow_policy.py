@@ -16,21 +16,23 @@ import torch
 from accelerate import Accelerator
 from torch import Tensor, nn
 
-from flowgrpo.config import TrainConfig, reward_output_keys
+from flowgrpo.config import TrainConfig, check_reward_key, reward_output_keys
 from flowgrpo.dtypes import parse_dtype
+from flowgrpo.edit_regions import difference_mask, stack_masks
+from flowgrpo.errors import ConfigError
 from flowgrpo.flow_batches import accumulation_steps, ema_updates_per_step, rollout_sigmas
 from flowgrpo.flow_evaluation import FlowEvaluation
-from flowgrpo.guards import check_gate_keys, check_guard_keys
+from flowgrpo.guards import check_gate_keys, check_guard_keys, loaded_reward_keys
 from flowgrpo.heldout import load_eval_rewards
 from flowgrpo.losses import (batch_mean_dt_weights, check_weights, flow_kl, gated_kl,
                              guard_log_ratio, guard_step_weights, policy_loss,
-                             rectification_weights, std_over_sqrt_dt_weights, surrogate_stats,
-                             velocity_anchor)
+                             rectification_weights, region_policy_loss, std_over_sqrt_dt_weights,
+                             surrogate_stats, velocity_anchor)
 from flowgrpo.plans import make_plan, sample_trained_steps
 from flowgrpo.policy import Through, float32_trainable, frozen_reference, swapped_attribute
-from flowgrpo.prompts import record_images, reward_metadata
+from flowgrpo.prompts import record_images, record_masks, reward_metadata
 from flowgrpo.rollout import RolloutBatch, RolloutSettings, encode_rows, replay_logp, rollout
-from flowgrpo.sde import anchor_std
+from flowgrpo.sde import anchor_std, region_log_probs
 from pipelines import check_model_config, load_model
 from pipelines import check_model_source as check_family_source
 from reward_models import (MultiReward, available_rewards, check_reward_names,
@@ -58,6 +60,18 @@ def _replay_rows(replay, keep: Tensor):
     return dataclasses.replace(replay, gaussian=gaussian, **fields)
 
 
+def check_locality_keys(config: TrainConfig, known: dict[str, tuple[str, ...] | None] | None
+                        ) -> None:
+    """training.locality's edit_key and keep_key must be reward outputs ``known`` (key -> its
+    components, None where known only once the reward loads; ``known`` None: not yet known).
+    Called at config load and once the rewards load."""
+    locality = config.training.locality
+    if not locality.enabled or known is None:
+        return
+    check_reward_key(locality.edit_key, "training.locality.edit_key", known)
+    check_reward_key(locality.keep_key, "training.locality.keep_key", known)
+
+
 def load_rewards(config: TrainConfig, device: torch.device):
     """The MultiReward of the config's components on ``device`` (each rank's accelerator by
     default; a component's own ``device`` option wins, ``device: auto`` means this one)."""
@@ -78,6 +92,7 @@ class FlowPolicy(FlowEvaluation):
         check_reward_names(config.rewards.components, "rewards.components", known)
         check_reward_names(config.eval.rewards, "eval.rewards", known)
         check_gate_keys(config, reward_output_keys(config, declared_components))
+        check_locality_keys(config, reward_output_keys(config, declared_components))
 
     @staticmethod
     def check_model_source(config: TrainConfig) -> None:
@@ -90,6 +105,12 @@ class FlowPolicy(FlowEvaluation):
         # Cheap things first: a bad reward name fails before the model loads.
         self.reward = load_rewards(config, accelerator.device)
         check_guard_keys(config, self.reward)
+        check_locality_keys(config, loaded_reward_keys(self.reward))
+        if config.training.locality.mask == "record":
+            try:
+                record_masks(train_records)
+            except ValueError as err:
+                raise ConfigError(str(err)) from None
         # Held-out metrics load here too, on every process (each scores its share of the
         # evaluation rows): a bad option or missing weights fail now, not at the first
         # evaluation of a resumed run.
@@ -102,6 +123,10 @@ class FlowPolicy(FlowEvaluation):
             model = load_model(m.family, m.path, dtype=parse_dtype(m.dtype), device=accelerator.device,
                                options=dict(m.options))
         self.model = model
+        if config.training.locality.enabled and not callable(getattr(model, "region_mask", None)):
+            raise ConfigError(f"training.locality needs the model to lay an edit mask out on its "
+                              f"latents (region_mask), which the {model.family} adapter does not "
+                              f"implement; set training.locality.mask: off")
         self.module: nn.Module = model.transformer
         self.trainable = self._setup_trainable(model.lora_target_modules)
         self.reference_module = frozen_reference(config, self.module)
@@ -295,6 +320,8 @@ class FlowPolicy(FlowEvaluation):
                 executor.shutdown()
         timing = {"time/rollout": rollout_seconds, "time/reward_wait": time.perf_counter() - began,
                   "time/reward_compute": sum(reward_seconds)}
+        if self.config.training.locality.enabled:
+            batch.region_masks = self.region_masks(records, batch)
         if self.config.training.kl_reward > 0:
             began = time.perf_counter()
             kl = self.rollout_kl(batch, iteration)
@@ -302,6 +329,25 @@ class FlowPolicy(FlowEvaluation):
             rewards[KL_REWARD_KEY] = kl
             timing["time/kl_reward"] = time.perf_counter() - began
         return batch, rewards, timing
+
+    @torch.no_grad()
+    def region_masks(self, records: list[dict], batch: RolloutBatch) -> Tensor:
+        """(B, ...) edit-region weights on the latents' layout (``training.locality``): the
+        records' masks, or per sample the pixels where it differs from its source image,
+        laid out by the model (``region_mask``) on the latents' device."""
+        locality = self.config.training.locality
+        if locality.mask == "record":
+            pixels = stack_masks(record_masks(records))
+        else:
+            if batch.images is None:
+                raise ValueError("training.locality.mask: difference compares each sample with "
+                                 "its source image, and these prompt records have none; train "
+                                 "on editing records (\"image\")")
+            pixels = torch.cat([difference_mask(batch.media[i:i + 1], image[None],
+                                                locality.difference_threshold)
+                                for i, image in enumerate(batch.images)])
+        return self.model.region_mask(pixels, locality.resize).to(self.model.device,
+                                                                  torch.float32)
 
     @torch.no_grad()
     def rollout_kl(self, batch: RolloutBatch, iteration: int) -> Tensor:
@@ -400,15 +446,18 @@ class FlowPolicy(FlowEvaluation):
             logp, mean = replay_logp(self.model, replay, cond, settings)
         adv = advantages[replay.rows]
         adv = adv if adv.device == logp.device else adv.to(logp.device)
-        raw_log_ratio = logp.detach() - replay.logp_old
-        log_ratio = guard_log_ratio(logp, replay.logp_old, mean, replay.mean_old, replay.std) \
-            if t.ratio_norm else None
-        loss = policy_loss(logp, replay.logp_old, adv, t.clip_low, clip_high, weights=weights,
-                           log_ratio=log_ratio)
-        record = {"log_ratio": raw_log_ratio if log_ratio is None else log_ratio.detach(),
-                  "advantages": adv, "weights": weights,
-                  "ratio_max_dev": torch.expm1(raw_log_ratio).abs().max(),
-                  "policy_loss": loss.detach()}
+        if t.locality.enabled:
+            loss, record = self._region_loss(batch, replay, mean, adv, clip_high, weights)
+        else:
+            raw_log_ratio = logp.detach() - replay.logp_old
+            log_ratio = guard_log_ratio(logp, replay.logp_old, mean, replay.mean_old,
+                                        replay.std) if t.ratio_norm else None
+            loss = policy_loss(logp, replay.logp_old, adv, t.clip_low, clip_high, weights=weights,
+                               log_ratio=log_ratio)
+            record = {"log_ratio": raw_log_ratio if log_ratio is None else log_ratio.detach(),
+                      "advantages": adv, "weights": weights,
+                      "ratio_max_dev": torch.expm1(raw_log_ratio).abs().max(),
+                      "policy_loss": loss.detach()}
         gate = batch.kl_weights
         if t.kl_beta > 0 and gate is None:
             with torch.no_grad(), self.reference_policy():
@@ -423,6 +472,31 @@ class FlowPolicy(FlowEvaluation):
             anchor = self.anchor_penalty(batch, replay.anchors, settings)
             loss = loss + t.anchor_beta * anchor
             record["anchor"] = anchor.detach()
+        return loss, record
+
+    def _region_loss(self, batch: RolloutBatch, replay, mean: Tensor, adv: Tensor,
+                     clip_high: float, weights: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        """``training.locality``'s surrogate of a replay batch: the step's log-density split by
+        the rows' edit-region masks (``sde.region_log_probs``), the edit advantage (adv[:, 0])
+        on the region, the preservation advantage (adv[:, 1]) on the rest
+        (``losses.region_policy_loss``). The record holds each (row, region) as a row, weighted
+        by the region's share."""
+        t = self.config.training
+        masks = batch.region_masks
+        mask = masks.index_select(0, replay.rows.to(masks.device)).to(mean.device)
+        next_latents = replay.next_latents.to(mean.device)
+        logp, shares = region_log_probs(next_latents - mean, replay.gaussian, mask)
+        with torch.no_grad():
+            logp_old, _ = region_log_probs(next_latents - replay.mean_old.to(mean.device),
+                                           replay.gaussian, mask)
+        loss = region_policy_loss(logp, logp_old, adv, shares, t.clip_low, clip_high,
+                                  weights=weights)
+        log_ratio = logp.detach() - logp_old
+        part_weights = shares * weights.to(shares)[:, None]
+        record = {"log_ratio": log_ratio.flatten(), "advantages": adv.flatten(),
+                  "weights": part_weights.flatten(),
+                  "ratio_max_dev": torch.expm1(log_ratio).abs().max(),
+                  "policy_loss": loss.detach()}
         return loss, record
 
     def anchor_penalty(self, batch: RolloutBatch, anchors: list, settings: RolloutSettings

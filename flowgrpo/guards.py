@@ -80,6 +80,13 @@ def check_guard_keys(config: TrainConfig, reward) -> None:
     g = config.training.gardo
     if not (g.kl_gate_key or g.kl_gate_auxiliary):
         return
+    check_gate_keys(config, loaded_reward_keys(reward))
+
+
+def loaded_reward_keys(reward) -> dict[str, tuple[str, ...] | None]:
+    """The outputs of a loaded ``MultiReward``: key -> its declared components (``None``: a
+    reward with components it does not declare, checked when it first scores; ``()``: none),
+    plus "total"."""
     known: dict[str, tuple[str, ...] | None] = {"total": ()}
     for key, managed in reward.rewards.items():
         inner = getattr(managed, "inner", managed)
@@ -88,7 +95,7 @@ def check_guard_keys(config: TrainConfig, reward) -> None:
             known[key] = tuple(declared)
         else:
             known[key] = None if callable(getattr(managed, "components", None)) else ()
-    check_gate_keys(config, known)
+    return known
 
 
 def gate_uncertainty(config: TrainConfig, gathered: dict[str, Tensor]) -> Tensor:

@@ -12,6 +12,7 @@ Flow transitions
     ``guard_step_weights``     GRPO-Guard 1/D gradient reweighting
     ``batch_mean_dt_weights``  GRPO-Guard's released 1/mean_b(sqrt D)^2 loss scale
     ``std_over_sqrt_dt_weights``  Flow-GRPO's Wan loss scale mean_b(s) / mean_b(sqrt D)
+    ``region_policy_loss``     the same per region of the latents (Edit-GRPO's locality)
     ``rectification_weights``  Flash-GRPO temporal rectification kappa
     ``flow_kl``                KL to the reference policy per dim
     ``gated_kl``               the KL's mean over the rows a gate lets in (GARDO)
@@ -128,7 +129,8 @@ def policy_loss(logp: Tensor, logp_old: Tensor, advantages: Tensor, clip_low: fl
 
 
 class _ClippedSurrogate(torch.autograd.Function):
-    """The loss of ``policy_loss`` from (B,) log_ratio, advantages, weights, with the
+    """The loss of ``policy_loss`` from (B,) log_ratio, advantages, weights (or (B, K) parts of
+    rows, ``region_policy_loss``: the count is then of rows with any part weighted), with the
     closed-form gradient
 
         d loss / d log r_i = -w_i A_i r_i / #{w > 0}   where w_i > 0 and A r <= A clip(r),
@@ -150,7 +152,8 @@ class _ClippedSurrogate(torch.autograd.Function):
         ratio = torch.exp(torch.where(kept, log_ratio, 0.0))
         scaled = advantages * ratio
         scaled_clipped = advantages * ratio.clamp(1 - clip_low, 1 + clip_high)
-        count = kept.sum().clamp(min=1)
+        # Rows count, not their parts: (B, K) inputs are K parts of each row (region_policy_loss).
+        count = (kept if kept.dim() == 1 else kept.any(dim=1)).sum().clamp(min=1)
         per_sample = torch.where(kept, weights * torch.minimum(scaled, scaled_clipped), 0.0)
         active = kept & (scaled <= scaled_clipped)
         ctx.save_for_backward(torch.where(active, -weights * scaled / count, 0.0))
@@ -161,6 +164,49 @@ class _ClippedSurrogate(torch.autograd.Function):
     def backward(ctx, grad):
         (gradient,) = ctx.saved_tensors
         return grad * gradient, None, None, None, None
+
+
+def region_policy_loss(logp: Tensor, logp_old: Tensor, advantages: Tensor, shares: Tensor,
+                       clip_low: float, clip_high: float, *, weights: Tensor | None = None
+                       ) -> Tensor:
+    """The clipped surrogate with one advantage per region of the latents (Edit-GRPO's
+    locality-preserving signals): the edit reward's advantage where the edit should act, the
+    preservation reward's elsewhere.
+
+    Each row's step log-prob is split into K region parts (``sde.region_log_probs``: region
+    means of the per-element log-density, shares s_ik summing to 1), each with its own ratio
+    r_ik = exp(logp_ik - logp_old_ik), clipped like ``policy_loss``'s, and its own advantage:
+
+        loss = sum_i w_i sum_k s_ik l_ik / #{i : w_i > 0},
+        l_ik = max(-A_ik r_ik, -A_ik clip(r_ik, 1 - clip_low, 1 + clip_high))
+
+    At r = 1 the gradient is that of -sum_d A_k(d) l_d / n: each element's log-density is pushed
+    by the advantage of its own region (the Gaussian factorises, so this is exact). With every
+    mask weight 1 (shares (1, 0)) it is ``policy_loss`` with the first advantage; a part with
+    share 0 contributes neither value nor gradient.
+
+    Args:
+        logp, logp_old: (B, K) region log-probs under the current and the rollout policy.
+        advantages: (B, K) per region; shares: (B, K) >= 0, each row summing to 1.
+        weights: (B,) >= 0 per-row weights (step weights, padding), default ones.
+
+    Returns the scalar loss.
+    """
+    _check_clip(clip_low, clip_high)
+    if logp.dim() != 2:
+        raise ValueError(f"logp must have shape (B, K) (got {tuple(logp.shape)})")
+    shape = tuple(logp.shape)
+    _check_shape(logp_old, "logp_old", shape, "(B, K) like logp")
+    _check_shape(advantages, "advantages", shape, "(B, K) like logp")
+    _check_shape(shares, "shares", shape, "(B, K) like logp")
+    dtype = _compute_dtype(logp, logp_old, advantages)
+    log_ratio = _data(logp, dtype, keep_grad=True) - _data(logp_old, dtype)
+    part_weights = _data(shares, dtype)
+    if weights is not None:
+        _check_shape(weights, "weights", (shape[0],), "(B,) like logp's rows")
+        part_weights = part_weights * _data(weights, dtype)[:, None]
+    return _ClippedSurrogate.apply(log_ratio, _data(advantages, dtype), part_weights, clip_low,
+                                   clip_high)
 
 
 def _data(tensor: Tensor, dtype: torch.dtype, keep_grad: bool = False) -> Tensor:

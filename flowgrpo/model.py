@@ -89,6 +89,10 @@ class FlowModel(Protocol):
     # and puts the image's latents/tokens in the Conditioning's batched tensors (one row per
     # prompt, in both branches), so ``select``, the rollout and the replay need nothing else.
     # Not a protocol member, so text-to-image families need not declare it.
+    # Optional: ``region_mask(mask, resize)`` maps an edit-region mask (B, 1, H, W) in [0, 1] in
+    # pixels to a tensor broadcastable to the latents (B, ...), for ``training.locality``
+    # (``flowgrpo.edit_regions``): the toy model's latents are its pixels; a VAE family
+    # downsamples to its latent grid and lays the mask out as its latents (packing).
 
     def encode_prompts(self, prompts: list[str]) -> Conditioning:
         """Embeddings for ``prompts`` (and the negative prompt when CFG is possible); cached.

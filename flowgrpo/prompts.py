@@ -4,7 +4,9 @@ Every source yields ``{"prompt": str, "metadata": dict}`` records; rewards that 
 (the toy verifier, OCR targets) read the metadata. An editing record also carries its source
 image: ``"image"``, a float32 tensor (3, H, W) in [0, 1] (``toy:edit_train``, or a JSONL line's
 ``"image"``, a path relative to the JSONL file). ``record_images`` and ``reward_metadata`` hand
-it to the model and to the rewards (as ``metadata["source_image"]``).
+it to the model and to the rewards (as ``metadata["source_image"]``). It may carry the edit
+region too: ``"mask"``, float32 (1, H, W) in [0, 1] (the toy edits' exact region, or a JSONL
+line's ``"mask"``, a greyscale image path), read by ``training.locality.mask: record``.
 """
 from __future__ import annotations
 
@@ -84,13 +86,27 @@ def _jsonl_record(line: str, where: str, folder: Path | None = None) -> dict:
         raise InputError(f"{where}: \"metadata\" must be a JSON object (got a JSON "
                          f"{_json_kind(metadata)})")
     if "image" not in item:
+        if "mask" in item:
+            raise InputError(f"{where}: \"mask\" marks the edit region of a source image; give "
+                             f"the line an \"image\" too")
         return {"prompt": prompt, "metadata": metadata}
     image = item["image"]
     if not isinstance(image, str) or not image.strip():
         raise InputError(f"{where}: \"image\" must be a path string relative to the JSONL file "
                          f"(got a JSON {_json_kind(image)})")
-    return {"prompt": prompt, "metadata": metadata,
-            "image": load_image(Path(folder or ".") / image, where)}
+    record = {"prompt": prompt, "metadata": metadata,
+              "image": load_image(Path(folder or ".") / image, where)}
+    if "mask" in item:
+        mask = item["mask"]
+        if not isinstance(mask, str) or not mask.strip():
+            raise InputError(f"{where}: \"mask\" must be a path string relative to the JSONL "
+                             f"file (got a JSON {_json_kind(mask)})")
+        record["mask"] = load_mask(Path(folder or ".") / mask, where)
+        if record["mask"].shape[-2:] != record["image"].shape[-2:]:
+            raise InputError(f"{where}: mask {mask} is {tuple(record['mask'].shape[-2:])} but "
+                             f"the image is {tuple(record['image'].shape[-2:])}; give the mask "
+                             f"the source image's size")
+    return record
 
 
 def load_image(path: Path, where: str = "") -> Tensor:
@@ -104,6 +120,30 @@ def load_image(path: Path, where: str = "") -> Tensor:
     except OSError as err:
         raise InputError(f"{where}: image {path} cannot be read ({err}); give a PNG or JPEG") from None
     return from_uint8(pixels)
+
+
+def load_mask(path: Path, where: str = "") -> Tensor:
+    """A greyscale edit mask as float32 (1, H, W) in [0, 1] (white = the edit region)."""
+    if not path.is_file():
+        raise InputError(f"{where}: mask {path} does not exist; \"mask\" is a path relative to "
+                         f"the JSONL file")
+    try:
+        with Image.open(path) as handle:
+            pixels = np.asarray(handle.convert("L"))
+    except OSError as err:
+        raise InputError(f"{where}: mask {path} cannot be read ({err}); give a PNG") from None
+    return torch.from_numpy(pixels.astype(np.float32) / 255.0)[None]
+
+
+def record_masks(records: list[dict]) -> list[Tensor]:
+    """The records' edit masks (``"mask"``, (1, H, W) in [0, 1]); ValueError naming a record
+    without one (``training.locality.mask: record`` needs every record's)."""
+    missing = [r["prompt"] for r in records if r.get("mask") is None]
+    if missing:
+        raise ValueError(f"training.locality.mask is 'record' but {len(missing)} prompt records "
+                         f"have no \"mask\" (e.g. {missing[0]!r}); give each JSONL line a "
+                         f"\"mask\" image, or use training.locality.mask: difference")
+    return [r["mask"] for r in records]
 
 
 def record_images(records: list[dict]) -> list[Tensor] | None:

@@ -81,6 +81,8 @@ class RolloutBatch:
     nfe: int = 0                       # transformer calls per sample, summed over the batch / B
     images: list[Tensor] | None = None  # B source images (3, H, W) of an editing run, else None
     kl_weights: Tensor | None = None   # (B,) KL gate weights (training.gardo), None = plain KL
+    # (B, ...) edit-region weights in [0, 1] broadcastable to the latents (training.locality)
+    region_masks: Tensor | None = None
 
     @property
     def trained_transitions(self) -> int:

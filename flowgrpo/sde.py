@@ -68,6 +68,7 @@ __all__ = [
     "Transition",
     "transition",
     "score_step",
+    "region_log_probs",
     "StepGaussian",
     "dpmpp_2m_step",
     "ode_solve",
@@ -490,6 +491,56 @@ def _score(velocity: Tensor, sample: Tensor, next_sample: Tensor, gaussian: Step
         return gaussian.log_prob(next_sample.detach() - mean), mean
     mean, log_prob = _ScoredStep.apply(velocity, sample, next_sample.detach(), gaussian)
     return log_prob, mean
+
+
+def region_log_probs(residual: Tensor, gaussian: StepGaussian, mask: Tensor
+                     ) -> tuple[Tensor, Tensor]:
+    """A step's log-density split into an edit region and its complement (``training.locality``).
+
+    The Gaussian factorises over elements: per element d, l_d = -(x'_d - mean_d)^2 / (2 std^2)
+    - log std - log sqrt(2 pi), and the "mean" convention's log-prob is mean_d l_d. With region
+    weights m_d in [0, 1] (1 = edit region) the two parts are the region means
+
+        part_1 = sum_d m_d l_d / sum_d m_d,    part_2 = sum_d (1 - m_d) l_d / sum_d (1 - m_d)
+
+    with shares s_1 = mean_d m_d, s_2 = 1 - s_1, so that s_1 part_1 + s_2 part_2 = mean_d l_d,
+    the step's log-prob, exactly in real arithmetic. Each part is in the units of the whole
+    (a mean over elements), so its log-ratio can be clipped with the same range. An empty part
+    (share 0) has log-prob 0, as have both parts of a row whose std is 0 (``StepGaussian``).
+    Under the "unscaled" convention l_d = -(x'_d - mean_d)^2.
+
+    Args:
+        residual: (B, ...) x' - mean; carries the gradient of the mean when the caller needs it.
+        gaussian: the step's ``StepGaussian``; its ``reduce`` must be "mean" (every rollout's).
+        mask: region weights broadcastable to ``residual`` (e.g. (B, 1, H, W) for (B, C, H, W)
+            latents), in [0, 1].
+
+    Returns:
+        (log_probs (B, 2), shares (B, 2)), float32: column 0 the edit region, column 1 the rest.
+    """
+    if gaussian.reduce != "mean":
+        raise ValueError("region_log_probs needs the 'mean' log-prob convention (the shares "
+                         "weigh region means); the rollout's steps use it")
+    residual = _as_float32(residual, "residual")
+    try:
+        weights = torch.broadcast_to(mask.to(device=residual.device, dtype=torch.float32),
+                                     residual.shape)
+    except RuntimeError:
+        raise ValueError(f"mask shape {tuple(mask.shape)} does not broadcast to the latents "
+                         f"{tuple(residual.shape)}") from None
+    dims = tuple(range(1, residual.ndim))
+    squared = residual.square()
+    inside = weights.sum(dim=dims)
+    total = float(gaussian.numel)
+    outside = total - inside
+    shares = torch.stack([inside, outside], dim=1) / total
+    sums = torch.stack([(weights * squared).sum(dim=dims),
+                        ((1.0 - weights) * squared).sum(dim=dims)], dim=1)
+    counts = torch.stack([inside, outside], dim=1)
+    means = sums / counts.clamp(min=torch.finfo(torch.float32).tiny)
+    log_probs = -(means * gaussian.half_precision[:, None] + gaussian.log_norm[:, None])
+    keep = gaussian.stochastic[:, None] & (counts > 0)
+    return torch.where(keep, log_probs, 0.0), shares
 
 
 # ----------------------------------------------------------------------------- ODE solvers

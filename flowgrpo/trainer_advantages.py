@@ -15,7 +15,8 @@ from torch import Tensor
 
 from flowgrpo.advantages import (PER_COMPONENT, decoupled_advantages, diversity_weights,
                                  group_advantages, kl_gate_weights, mask_nonfinite,
-                                 saturation_weights)
+                                 region_advantages, saturation_weights)
+from flowgrpo.errors import ConfigError
 from flowgrpo.guards import gate_uncertainty, media_features
 from flowgrpo.prompts import mixed_groups
 
@@ -39,7 +40,9 @@ class TrainerAdvantages:
         aggregation = self.config.rewards.aggregation
         saturation = self.config.rewards.saturation_ratio
         scales, saturation_stats = None, {}
-        if aggregation in PER_COMPONENT:
+        if t.locality.enabled:
+            advantages, stats = self.region_advantages(gathered, group_ids)
+        elif aggregation in PER_COMPONENT:
             components = {k: v for k, v in gathered.items() if k in self.reward.weights}
             if saturation:
                 scales, saturation_stats = saturation_weights(components, group_ids,
@@ -75,6 +78,22 @@ class TrainerAdvantages:
         # The same on every process (gathered), for the curriculum's bookkeeping.
         self.gathered = (gathered, group_ids)
         return advantages[start:start + local], metrics
+
+    def region_advantages(self, gathered: dict[str, Tensor], group_ids: Tensor
+                          ) -> tuple[Tensor, dict[str, float]]:
+        """(B, 2) advantages of training.locality: the group advantages of its edit_key's and
+        keep_key's rewards (``advantages.region_advantages``), for the edit region and the
+        rest."""
+        t = self.config.training
+        locality = t.locality
+        for name in ("edit_key", "keep_key"):
+            key = getattr(locality, name)
+            if key not in gathered:
+                raise ConfigError(f"training.locality.{name}: the rewards output no {key!r}; "
+                                  f"they output {', '.join(sorted(gathered))}: use one of them")
+        return region_advantages(gathered[locality.edit_key], gathered[locality.keep_key],
+                                 group_ids, scale=t.adv_scale, ddof=t.adv_ddof, eps=t.adv_eps,
+                                 clip=t.adv_clip or None)
 
     def apply_guards(self, batch, gathered: dict[str, Tensor], group_ids: Tensor,
                      advantages: Tensor) -> tuple[Tensor, dict[str, float]]:

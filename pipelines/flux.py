@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from flowgrpo.edit_regions import downsample_mask
 from flowgrpo.model import Conditioning
 from pipelines.base import (AdapterOptions, DiffusersFlowModel, check_divisible,
                             check_pipeline_folder, parse_options, require_attention_backend,
@@ -78,6 +79,16 @@ def unpack_latents(tokens: Tensor, h: int, w: int) -> Tensor:
     c = features // 4
     patches = tokens.reshape(b, h // 2, w // 2, c, 2, 2).permute(0, 3, 1, 4, 2, 5)
     return patches.reshape(b, c, h, w)
+
+
+def packed_region_mask(mask: Tensor, latent_height: int, latent_width: int, channels: int,
+                       resize: str = "area") -> Tensor:
+    """An edit-region mask (B, 1, H, W) in [0, 1] in pixels -> the packed latents' layout
+    (B, h/2 * w/2, 4C): downsampled to the VAE grid (h, w) by ``resize`` (``downsample_mask``),
+    repeated over the C latent channels and packed like the latents (``pack_latents``), so each
+    packed feature carries the weight of the latent element it holds."""
+    grid = downsample_mask(mask, (latent_height, latent_width), resize)
+    return pack_latents(grid.expand(-1, channels, -1, -1).contiguous())
 
 
 def latent_image_ids(h: int, w: int) -> Tensor:
@@ -163,6 +174,12 @@ class FluxModel(DiffusersFlowModel):
     def packed_shape(self) -> tuple[int, int]:
         """(tokens, features) of one packed latent: (H/16 * W/16, 4 C)."""
         return ((self.latent_height // 2) * (self.latent_width // 2), self.transformer.config.in_channels)
+
+    def region_mask(self, mask: Tensor, resize: str = "area") -> Tensor:
+        """An edit-region mask (B, 1, H, W) in [0, 1] on the packed latents' layout
+        (B, H/16 * W/16, 4C) (``packed_region_mask``)."""
+        return packed_region_mask(mask, self.latent_height, self.latent_width,
+                                  self.transformer.config.in_channels // 4, resize)
 
     def initial_noise(self, batch: int, generator: torch.Generator | None) -> Tensor:
         """(batch, H/16 * W/16, 4C) float32: standard normal (batch, C, H/8, W/8), packed."""

@@ -34,7 +34,7 @@ from pipelines.base import (AdapterOptions, DiffusersFlowModel, check_divisible,
                             check_pipeline_folder, parse_options, read_model_index,
                             require_attention_backend, resolve_dtype, resolve_size,
                             text_model_dtype)
-from pipelines.flux import pack_latents, unpack_latents
+from pipelines.flux import pack_latents, packed_region_mask, unpack_latents
 
 # PEFT targets as in Flow-GRPO's Qwen-Image training (scripts/train_qwenimage_edit_plus.py of
 # yifan123/flow_grpo): the joint attention's image (to_*) and text (add_*_proj, to_add_out)
@@ -202,6 +202,12 @@ class QwenImageModel(DiffusersFlowModel):
     def img_shapes(self) -> list[tuple[int, int, int]]:
         """The transformer's RoPE layout of one image: [(frames 1, H/16, W/16)]."""
         return [(1, self.latent_height // 2, self.latent_width // 2)]
+
+    def region_mask(self, mask: Tensor, resize: str = "area") -> Tensor:
+        """An edit-region mask (B, 1, H, W) in [0, 1] on the packed latents' layout
+        (B, H/16 * W/16, 4C) (``pipelines.flux.packed_region_mask``)."""
+        return packed_region_mask(mask, self.latent_height, self.latent_width,
+                                  self.transformer.config.in_channels // 4, resize)
 
     def initial_noise(self, batch: int, generator: torch.Generator | None) -> Tensor:
         """(batch, H/16 * W/16, 4C) float32: standard normal (batch, C, H/8, W/8), packed (what

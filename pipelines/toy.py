@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field, fields
 import torch
 from torch import Tensor
 
+from flowgrpo.edit_regions import downsample_mask
 from flowgrpo.model import Conditioning, guided_velocity
 from flowgrpo.toyworld.grammar import VOCABULARY
 from pipelines.base import TransformerTraining, lora_adapter_metadata, parse_options
@@ -277,6 +278,12 @@ class ToyFlowModel(TransformerTraining):
                              "an editing model (model.path: assets/toy_edit) or prompts without "
                              "\"image\"")
         return Conditioning(positive=positive, negative=negative)
+
+    def region_mask(self, mask: Tensor, resize: str = "area") -> Tensor:
+        """An edit-region mask (B, 1, H, W) in [0, 1] on the latents' layout, (B, 1, S, S):
+        the latents are the pixels, so a mask of the model's size is returned as it is (a larger
+        one is downsampled by ``resize``, ``flowgrpo.edit_regions.downsample_mask``)."""
+        return downsample_mask(mask, (self.sample_size, self.sample_size), resize)
 
     def initial_noise(self, batch: int, generator: torch.Generator | None) -> Tensor:
         """Standard normal pixels (batch, 3, 24, 24), float32, on the generator's device."""

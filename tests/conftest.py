@@ -39,3 +39,24 @@ def tiny_wan_dir(tmp_path_factory) -> str:
 def tiny_wan22_dir(tmp_path_factory) -> str:
     """Wan2.2's two experts (boundary_ratio 0.875)."""
     return save_tiny("wan22", tmp_path_factory.mktemp("tiny") / "wan22")
+
+
+@pytest.fixture(scope="session")
+def edit_dir(tmp_path_factory) -> str:
+    """A tiny random editing toy model whose source channels have weight (to_editing_model starts
+    them at 0, which would hide whether the image reaches the transformer)."""
+    from pipelines.toy import ToyArchitecture, build_toy_model, to_editing_model
+
+    tiny = ToyArchitecture(num_layers=2, num_attention_heads=2, attention_head_dim=8,
+                           text_hidden_size=16, text_heads=2, pooled_dim=16)
+    path = str(tmp_path_factory.mktemp("toy_edit_tiny"))
+    model = to_editing_model(build_toy_model(tiny, seed=0))
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.transformer.parameters():
+            if p.abs().sum() == 0:
+                p.copy_(0.02 * torch.randn(p.shape, generator=generator))
+        weight = model.transformer.pos_embed.proj.weight             # (D, 6, p, p)
+        weight[:, 3:] = 0.2 * torch.randn(weight[:, 3:].shape, generator=generator)
+    model.save_pretrained(path)
+    return path

@@ -25,23 +25,6 @@ TINY = ToyArchitecture(num_layers=2, num_attention_heads=2, attention_head_dim=8
 
 
 @pytest.fixture(scope="module")
-def edit_dir(tmp_path_factory) -> str:
-    """A tiny random editing toy model whose source channels have weight (to_editing_model starts
-    them at 0, which would hide whether the image reaches the transformer)."""
-    path = str(tmp_path_factory.mktemp("toy_edit_tiny"))
-    model = to_editing_model(build_toy_model(TINY, seed=0))
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in model.transformer.parameters():
-            if p.abs().sum() == 0:
-                p.copy_(0.02 * torch.randn(p.shape, generator=generator))
-        weight = model.transformer.pos_embed.proj.weight             # (D, 6, p, p)
-        weight[:, 3:] = 0.2 * torch.randn(weight[:, 3:].shape, generator=generator)
-    model.save_pretrained(path)
-    return path
-
-
-@pytest.fixture(scope="module")
 def edit_model(edit_dir) -> ToyFlowModel:
     return ToyFlowModel.from_pretrained(edit_dir)
 

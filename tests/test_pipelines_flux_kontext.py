@@ -121,3 +121,53 @@ def test_first_pass_ratio_is_exactly_one_and_lora_loads_in_the_stock_pipeline(ko
     loaded = _stock_images(pipe, images, noise, 3.5)
     assert (plain - loaded).abs().max() > 1e-4
     torch.testing.assert_close(ours, loaded, atol=1e-3, rtol=0)
+
+
+
+def test_locality_masks_reach_the_packed_latents(kontext_dir, tmp_path):
+    """training.locality on Kontext: each JSONL record's mask, downsampled to the VAE grid and
+    packed like the latents, splits the replayed steps; the first pass's ratio stays exactly 1."""
+    from flowgrpo.config import load_config
+    from flowgrpo.edit_regions import downsample_mask
+    from flowgrpo.trainer import Trainer
+    from pipelines.flux import unpack_latents
+
+    lines = []
+    for i, image in enumerate(_sources()):
+        Image.fromarray(to_uint8(image)).save(tmp_path / f"{i}.png")
+        mask = torch.zeros(H, W, dtype=torch.uint8)
+        mask[: H // 2, i * W // 2:(i + 1) * W // 2] = 255
+        Image.fromarray(mask.numpy()).save(tmp_path / f"{i}_mask.png")
+        lines.append(json.dumps({"prompt": PROMPTS[i], "image": f"{i}.png",
+                                 "mask": f"{i}_mask.png"}))
+    (tmp_path / "edits.jsonl").write_text("\n".join(lines) + "\n")
+    config = load_config(data={
+        "name": "kontext_locality",
+        "model": {"family": "flux_kontext", "path": kontext_dir, "options": IMAGE_OPTIONS,
+                  "lora": {"rank": 4, "alpha": 8}},
+        "prompts": {"train": str(tmp_path / "edits.jsonl"), "eval": None},
+        "sampling": {"num_steps": 4, "eval_num_steps": 4, "rollout_batch_size": 4,
+                     "guidance_scale": 3.5},
+        "training": {"prompts_per_iteration": 2, "group_size": 4, "lr": 1e-2, "clip_low": 0.2,
+                     "skip_zero_std_groups": False,
+                     "locality": {"mask": "record", "edit_key": "bright", "keep_key": "dark",
+                                  "resize": "area"}},
+        "rewards": {"components": [
+            {"name": "tests.helpers:Brightness", "options": {"label": "bright"}},
+            {"name": "tests.helpers:Darkness", "options": {"label": "dark"}}],
+            "threaded": False},
+        "run": {"output_dir": str(tmp_path / "runs"), "max_iterations": 1, "tracker": "none",
+                "progress": False, "checkpoint_every": 0, "eval_every": 0}})
+    trainer = Trainer(config)
+    model = trainer.policy.model
+    records, group_ids, sample_ids = trainer.local_batch(0)
+    batch, _, _ = trainer.policy.rollout(records, group_ids, sample_ids, 0)
+    latents = batch.replay[0].latents
+    assert batch.region_masks.shape == (len(records), *latents.shape[1:])
+    grid = downsample_mask(records[0]["mask"][None], (model.latent_height, model.latent_width))
+    unpacked = unpack_latents(batch.region_masks[:1], model.latent_height, model.latent_width)
+    torch.testing.assert_close(unpacked, grid.expand_as(unpacked))
+    assert 0.0 < float(batch.region_masks[0].mean()) < 1.0
+    metrics = trainer.run_iteration(0)
+    assert metrics["train/replay_batches"] > 0
+    assert metrics["train/first_pass_ratio_max_dev"] == 0.0

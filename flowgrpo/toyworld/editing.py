@@ -4,6 +4,7 @@ An edit record is a prompt record with a source image (``flowgrpo.prompts``)::
 
     {"prompt": "make the circle blue",
      "image": float (3, 24, 24) in [0, 1],          # the source scene
+     "mask": float (1, 24, 24) of 0/1,              # where source and target differ
      "metadata": {"family": "recolor_two",           # recolor_one / recolor_two (objects in scene)
                   "task": "edit",
                   "objects": [...], "relation": None, # the TARGET scene (grammar metadata)
@@ -76,9 +77,16 @@ def render_pair(source: dict, edit: dict, seed: int, size: int = 24) -> tuple[np
     return draw(placed, size), draw(edited, size)
 
 
+def edit_mask(source: np.ndarray, target: np.ndarray) -> np.ndarray:
+    """(1, H, W) float32 of 0/1: the pixels where the target differs from the source (3, H, W),
+    i.e. the recoloured object's pixels, its anti-aliased rim included."""
+    return (np.abs(target - source).max(axis=0, keepdims=True) > 0).astype(np.float32)
+
+
 def edit_split(split: str) -> list[dict]:
     """Edit records of ``split`` ("edit_train" or "edit_heldout"), with ``image`` a float32 torch
-    tensor (3, 24, 24) in [0, 1]; families in ``EDIT_FAMILIES`` order."""
+    tensor (3, 24, 24) in [0, 1] and ``mask`` its exact edit region (``edit_mask``, (1, 24, 24));
+    families in ``EDIT_FAMILIES`` order."""
     if split not in EDIT_SPLITS:
         raise ValueError(f"split must be one of {EDIT_SPLITS} (got {split!r})")
     grammar_split = "train" if split == "edit_train" else "heldout"
@@ -90,11 +98,12 @@ def edit_split(split: str) -> list[dict]:
         rng = random.Random(f"{EDIT_SEED}-{item['prompt']}")
         edit = choose_edit(source, rng)
         seed = rng.randrange(2 ** 31)
-        image, _ = render_pair(source, edit, seed)
+        image, target_image = render_pair(source, edit, seed)
         target = apply_edit(source, edit)
         records.append({
             "prompt": instruction(edit),
             "image": torch.from_numpy(image),
+            "mask": torch.from_numpy(edit_mask(image, target_image)),
             "metadata": {"family": EDIT_FAMILIES[source["family"]], "task": "edit",
                          "objects": target["objects"], "relation": target.get("relation"),
                          "source": source, "edit": edit, "layout_seed": seed}})

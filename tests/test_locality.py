@@ -1,0 +1,294 @@
+"""Locality-preserving advantages for editing (training.locality, after Edit-GRPO): the step's
+Gaussian log-density split by an edit-region mask, one clipped ratio and one advantage per
+region, the two advantages from the edit and preservation rewards, masks on latent grids, and a
+training iteration that uses them."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from flowgrpo.advantages import group_advantages, region_advantages
+from flowgrpo.config import ConfigError, load_config
+from flowgrpo.edit_regions import difference_mask, downsample_mask
+from flowgrpo.losses import policy_loss, region_policy_loss
+from flowgrpo.prompts import load_prompts
+from flowgrpo.sde import region_log_probs, score_step, transition
+from flowgrpo.toyworld.editing import render_pair
+
+SHAPE = (6, 3, 8, 8)
+CLIP = 1e-3
+
+
+def step(seed: int = 0, kind: str = "flow_sde", log_prob: str = "exact"):
+    """A sampled SDE step (x, x', its Gaussian) and a new velocity with a gradient."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(SHAPE, generator=generator)
+    v_old = torch.randn(SHAPE, generator=generator)
+    out = transition(kind, v_old, x, torch.full((SHAPE[0],), 0.8), torch.full((SHAPE[0],), 0.7),
+                     noise_level=0.7, generator=generator, log_prob=log_prob)
+    v_new = (v_old + 0.05 * torch.randn(SHAPE, generator=generator)).requires_grad_(True)
+    return x, v_old, v_new, out
+
+
+def region_loss(x, v_new, out, mask, advantages, weights=None):
+    """What the flow policy computes for a replay batch under training.locality."""
+    _, mean = score_step(v_new, x, out.prev_sample, out.gaussian)
+    logp, shares = region_log_probs(out.prev_sample - mean, out.gaussian, mask)
+    logp_old, _ = region_log_probs(out.prev_sample - out.mean, out.gaussian, mask)
+    return region_policy_loss(logp, logp_old, advantages, shares, CLIP, CLIP, weights=weights)
+
+
+def random_mask(seed: int, soft: bool = False) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    values = torch.rand((SHAPE[0], 1, *SHAPE[2:]), generator=generator)
+    return values if soft else (values > 0.6).float()
+
+
+@pytest.mark.parametrize("log_prob", ["exact", "unscaled"])
+@pytest.mark.parametrize("soft", [False, True])
+def test_region_parts_weighted_by_their_shares_are_the_step_log_prob(log_prob, soft):
+    _, _, _, out = step(1, log_prob=log_prob)
+    mask = random_mask(2, soft)
+    parts, shares = region_log_probs(out.prev_sample - out.mean, out.gaussian, mask)
+    assert parts.shape == shares.shape == (SHAPE[0], 2)
+    torch.testing.assert_close(shares.sum(dim=1), torch.ones(SHAPE[0]))
+    torch.testing.assert_close(shares[:, 0], mask.mean(dim=(1, 2, 3)))
+    torch.testing.assert_close((shares * parts).sum(dim=1), out.log_prob, rtol=1e-5, atol=1e-5)
+    # Each part is the mean of the per-element log-density over its region (closed form).
+    residual = (out.prev_sample - out.mean).square()
+    std = out.std[:, None, None, None]
+    if log_prob == "exact":
+        element = -residual / (2 * std ** 2) - torch.log(std) - 0.5 * np.log(2 * np.pi)
+    else:
+        element = -residual
+    weights = mask.expand(SHAPE)
+    inside = (weights * element).sum(dim=(1, 2, 3)) / weights.sum(dim=(1, 2, 3))
+    torch.testing.assert_close(parts[:, 0], inside, rtol=1e-5, atol=1e-5)
+
+
+def test_a_mask_of_ones_is_the_scalar_loss_and_its_gradient():
+    """Off-policy (the velocity moved since the rollout, some ratios clipped): with every element
+    in the edit region, the region loss is policy_loss with the edit advantage, value and
+    gradient; the preservation advantage has no effect."""
+    x, _, v_new, out = step(3)
+    advantages = torch.tensor([1.5, -0.7, 0.3, -2.0, 0.9, 0.0])
+    weights = torch.tensor([1.0, 0.5, 2.0, 1.0, 0.0, 1.0])
+    ones = torch.ones(SHAPE[0], 1, *SHAPE[2:])
+    keep = torch.tensor([9.0, -9.0, 3.0, 3.0, -1.0, 4.0])
+    loss = region_loss(x, v_new, out, ones, torch.stack([advantages, keep], 1), weights)
+    (grad,) = torch.autograd.grad(loss, v_new)
+    logp, _ = score_step(v_new, x, out.prev_sample, out.gaussian)
+    scalar = policy_loss(logp, out.log_prob, advantages, CLIP, CLIP, weights=weights)
+    (scalar_grad,) = torch.autograd.grad(scalar, v_new)
+    torch.testing.assert_close(loss, scalar, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(grad, scalar_grad, rtol=1e-4, atol=1e-9)
+    ratio = torch.exp(logp.detach() - out.log_prob)
+    assert bool(((ratio - 1).abs() > CLIP).any())   # the clip acts in this batch
+
+
+def test_a_mask_of_zeros_leaves_the_region_without_gradient():
+    """No edit region: the loss is the scalar loss with the preservation advantage, and the edit
+    advantage changes neither value nor gradient."""
+    x, _, v_new, out = step(4)
+    keep = torch.tensor([1.0, -1.0, 0.5, -0.5, 2.0, -2.0])
+    zeros = torch.zeros(SHAPE[0], 1, *SHAPE[2:])
+    grads = []
+    for edit in (torch.zeros(6), torch.full((6,), 7.0)):
+        loss = region_loss(x, v_new, out, zeros, torch.stack([edit, keep], 1))
+        grads.append(torch.autograd.grad(loss, v_new)[0])
+    torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=0)
+    logp, _ = score_step(v_new, x, out.prev_sample, out.gaussian)
+    scalar = policy_loss(logp, out.log_prob, keep, CLIP, CLIP)
+    torch.testing.assert_close(grads[0], torch.autograd.grad(scalar, v_new)[0], rtol=1e-4,
+                               atol=1e-9)
+
+
+def test_each_element_is_pushed_by_its_own_regions_advantage():
+    """On the first pass (ratio 1) the gradient w.r.t. the step mean is, per element,
+    -A_region(d) (x'_d - mean_d) / (std^2 n) / rows: zero inside the region when the edit
+    advantage is 0, zero outside when the preservation advantage is 0."""
+    x, v_old, _, out = step(5)
+    mask = random_mask(6)
+    edit = torch.tensor([1.0, -2.0, 0.5, 3.0, -1.0, 0.25])
+    keep = torch.tensor([-0.5, 1.0, 2.0, -1.5, 0.75, 1.0])
+    mean = out.mean.clone().requires_grad_(True)
+    logp, shares = region_log_probs(out.prev_sample - mean, out.gaussian, mask)
+    logp_old, _ = region_log_probs(out.prev_sample - out.mean, out.gaussian, mask)
+    loss = region_policy_loss(logp, logp_old, torch.stack([edit, keep], 1), shares, CLIP, CLIP)
+    (grad,) = torch.autograd.grad(loss, mean, retain_graph=True)
+    numel = float(np.prod(SHAPE[1:]))
+    per_element = torch.where(mask.expand(SHAPE) > 0, edit[:, None, None, None],
+                              keep[:, None, None, None])
+    std = out.std[:, None, None, None]
+    expected = -per_element * (out.prev_sample - out.mean) / (std ** 2 * numel) / SHAPE[0]
+    torch.testing.assert_close(grad, expected, rtol=1e-4, atol=1e-10)
+    for column, where in ((0, mask > 0), (1, mask == 0)):
+        advantages = torch.stack([edit, keep], 1)
+        advantages[:, column] = 0
+        loss = region_policy_loss(logp, logp_old, advantages, shares, CLIP, CLIP)
+        (grad,) = torch.autograd.grad(loss, mean, retain_graph=True)
+        assert bool((grad[where.expand(SHAPE)] == 0).all())
+        assert bool((grad[~where.expand(SHAPE)] != 0).any())
+
+
+def test_region_advantages_are_each_rewards_group_normalisation():
+    """The edit region's advantage is the group z-score of the edit reward (toy_edit's
+    "target"), the rest's that of the preservation reward ("kept"), each on its own."""
+    target = torch.tensor([1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0])
+    kept = torch.tensor([1.0, 0.5, 1.0, 1.0, 1.0, 1.0, 0.5, 0.0])
+    groups = torch.tensor([0, 0, 0, 0, 1, 1, 1, 1])
+    advantages, stats = region_advantages(target, kept, groups, eps=0.0, clip=None)
+    # group 0: target mean 1/2, std 1/2 -> +-1; kept mean 7/8, std sqrt(3)/8
+    torch.testing.assert_close(advantages[:4, 0], torch.tensor([1.0, -1.0, -1.0, 1.0]))
+    torch.testing.assert_close(advantages[:4, 1],
+                               torch.tensor([1.0, -3.0, 1.0, 1.0]) / np.sqrt(3.0))
+    assert advantages[4:, 0].tolist() == [0.0] * 4          # no target signal in group 1
+    torch.testing.assert_close(advantages[:, 1], group_advantages(kept, groups, eps=0.0,
+                                                                  clip=None)[0])
+    assert stats["edit/zero_std_fraction"] == 0.5 and stats["keep/zero_std_fraction"] == 0.0
+    assert stats["zero_std_fraction"] == 0.0
+
+
+def test_downsampling_a_mask_to_a_latent_grid():
+    mask = torch.zeros(1, 1, 16, 16)
+    mask[..., 0:8, 0:8] = 1           # cell (0, 0) of an 8x grid, fully
+    mask[..., 8:10, 8:12] = 1         # 2 x 4 of cell (1, 1)'s 64 pixels
+    area = downsample_mask(mask, (2, 2), "area")
+    torch.testing.assert_close(area[0, 0], torch.tensor([[1.0, 0.0], [0.0, 1 / 8]]))
+    nearest = downsample_mask(mask, (2, 2), "nearest")
+    assert nearest[0, 0].tolist() == [[1.0, 0.0], [0.0, 0.0]]   # cell centres (4, 4), (12, 12)
+    mask[..., 12, 12] = 1
+    assert downsample_mask(mask, (2, 2), "nearest")[0, 0, 1, 1] == 1.0
+    assert torch.equal(downsample_mask(mask, (16, 16), "area"), mask)   # the toy: identity
+    with pytest.raises(ValueError, match="at most"):
+        downsample_mask(mask, (32, 32))
+
+
+def test_packed_region_mask_follows_the_latents_packing():
+    """FLUX / Qwen-Image latents are packed 2x2 patches; the mask's packed features carry the
+    weight of the latent element they hold."""
+    from pipelines.flux import pack_latents, packed_region_mask, unpack_latents
+
+    mask = (torch.rand(2, 1, 64, 48, generator=torch.Generator().manual_seed(0)) > 0.5).float()
+    packed = packed_region_mask(mask, 8, 6, 16, "area")
+    assert packed.shape == (2, 4 * 3, 64)
+    grid = downsample_mask(mask, (8, 6), "area")
+    torch.testing.assert_close(unpack_latents(packed, 8, 6), grid.expand(-1, 16, -1, -1))
+    latents = torch.randn(2, 16, 8, 6)
+    weighted = unpack_latents(pack_latents(latents) * packed, 8, 6)
+    torch.testing.assert_close(weighted, latents * grid)
+
+
+def test_toy_edit_records_carry_the_recoloured_objects_pixels_as_mask():
+    records = load_prompts("toy:edit_heldout")[:10]
+    for record in records:
+        meta = record["metadata"]
+        source, target = render_pair(meta["source"], meta["edit"], meta["layout_seed"])
+        mask = record["mask"]
+        assert mask.shape == (1, 24, 24) and set(mask.unique().tolist()) == {0.0, 1.0}
+        changed = torch.from_numpy(np.abs(target - source).max(axis=0) > 0)
+        assert torch.equal(mask[0] > 0, changed)
+        # the region is one object's, a fraction of the picture
+        assert 0.02 < float(mask.mean()) < 0.25
+    assert torch.equal(difference_mask(torch.from_numpy(target)[None],
+                                       torch.from_numpy(source)[None], 0.05)[0], mask)
+
+
+def test_jsonl_mask_is_a_greyscale_image_relative_to_the_file(tmp_path):
+    pixels = np.zeros((6, 4, 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(tmp_path / "a.png")
+    mask = np.zeros((6, 4), dtype=np.uint8)
+    mask[1:3, 2:] = 255
+    Image.fromarray(mask).save(tmp_path / "a_mask.png")
+    Image.fromarray(np.zeros((5, 4), dtype=np.uint8)).save(tmp_path / "small.png")
+    path = tmp_path / "edits.jsonl"
+    path.write_text(json.dumps({"prompt": "x", "image": "a.png", "mask": "a_mask.png"}) + "\n")
+    record = load_prompts(str(path))[0]
+    assert record["mask"].shape == (1, 6, 4)
+    assert torch.equal(record["mask"][0], torch.from_numpy(mask / 255.0).float())
+    path.write_text(json.dumps({"prompt": "x", "image": "a.png", "mask": "small.png"}) + "\n")
+    with pytest.raises(ValueError, match="the source image's size"):
+        load_prompts(str(path))
+    path.write_text(json.dumps({"prompt": "x", "mask": "a_mask.png"}) + "\n")
+    with pytest.raises(ValueError, match="give the line an \"image\""):
+        load_prompts(str(path))
+
+
+def locality_config(path: str, tmp_path: Path, *overrides: str):
+    data = {
+        "name": "tiny_edit",
+        "model": {"family": "toy", "path": path, "lora": {"enabled": False}},
+        "prompts": {"train": "toy:edit_train", "eval": "toy:edit_heldout", "num_eval": 4},
+        "sampling": {"num_steps": 4, "eval_num_steps": 4, "rollout_batch_size": 4,
+                     "guidance_scale": 1.0, "plan": {"kind": "full"}},
+        "training": {"prompts_per_iteration": 2, "group_size": 4, "lr": 1e-3, "clip_low": 0.2,
+                     "skip_zero_std_groups": False,
+                     "locality": {"mask": "record", "edit_key": "toy_edit.target",
+                                  "keep_key": "toy_edit.kept"}},
+        "rewards": {"components": [{"name": "toy_edit", "options": {"score": "exact"}}],
+                    "threaded": False},
+        "run": {"output_dir": str(tmp_path / "runs"), "max_iterations": 1, "tracker": "none",
+                "progress": False, "checkpoint_every": 0, "eval_every": 1},
+    }
+    return load_config(data=data, overrides=list(overrides))
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["training.locality.edit_key="], "training.locality.edit_key is empty"),
+    (["training.locality.keep_key=toy_edit.target"], "are both"),
+    (["training.locality.mask=everywhere"], "training.locality.mask must be one of"),
+    (["training.locality.resize=bilinear"], "training.locality.resize must be one of"),
+    (["training.locality.difference_threshold=1.5"], "difference_threshold must be in"),
+    (["rewards.aggregation=decoupled"], "rewards.aggregation: decoupled"),
+    (["training.ratio_norm=true"], "training.ratio_norm"),
+    (["training.gardo.diversity=true"], "training.gardo.diversity"),
+])
+def test_locality_config_errors_name_the_field(overrides, message, tmp_path):
+    with pytest.raises(ConfigError, match=message):
+        locality_config("assets/toy_edit", tmp_path, *overrides)
+
+
+def test_locality_keys_must_be_reward_outputs(tmp_path):
+    with pytest.raises(ConfigError, match="training.locality.edit_key: 'target' names no reward"):
+        locality_config("assets/toy_edit", tmp_path, "training.locality.edit_key=target")
+
+
+@pytest.mark.parametrize("mask", ["record", "difference"])
+def test_an_editing_iteration_with_locality(mask, edit_dir, tmp_path):
+    """A whole iteration: region masks on the batch, two advantages per sample, the region loss
+    on replay (first-pass ratio exactly 1 in both regions), and the weights move."""
+    from flowgrpo.trainer import Trainer
+
+    trainer = Trainer(locality_config(edit_dir, tmp_path, f"training.locality.mask={mask}"))
+    before = {k: v.detach().clone() for k, v in trainer.policy.trainable.items()}
+    batch, rewards, _ = trainer.policy.rollout(*trainer.local_batch(0), 0)
+    assert batch.region_masks.shape == (8, 1, 24, 24)
+    if mask == "record":
+        records = trainer.local_batch(0)[0]
+        assert torch.equal(batch.region_masks[0], records[0]["mask"])
+    advantages, metrics = trainer.compute_advantages(batch, rewards)
+    assert advantages.shape == (8, 2)
+    assert "adv/edit/zero_std_fraction" in metrics and "adv/keep/zero_std_fraction" in metrics
+    metrics = trainer.run_iteration(0)
+    assert metrics["train/first_pass_ratio_max_dev"] == 0.0
+    if metrics["train/replay_batches"] > 0:
+        assert any(not torch.equal(before[k], v) for k, v in trainer.policy.trainable.items())
+
+
+def test_record_masks_are_required_at_start(edit_dir, tmp_path):
+    from flowgrpo.trainer import Trainer
+
+    folder = tmp_path / "p"
+    folder.mkdir()
+    Image.fromarray(np.zeros((24, 24, 3), dtype=np.uint8)).save(folder / "a.png")
+    (folder / "e.jsonl").write_text(json.dumps({"prompt": "make the circle red",
+                                                "image": "a.png"}) + "\n")
+    config = locality_config(edit_dir, tmp_path, f"prompts.train={folder / 'e.jsonl'}",
+                             "prompts.eval=null", "rewards.components=[{name: toy_edit}]")
+    with pytest.raises(ConfigError, match="have no \"mask\""):
+        Trainer(config)
