@@ -70,9 +70,22 @@ GUARDS: dict[str, Guard] = {g.name: g for g in (
     Guard("saturation", "members as components, saturation weights (ratio 0.5)",
           (f"rewards.components=[{', '.join(f'{{name: toy_proxy, weight: 0.25, options: {{label: m{i}, member: {i}, path: {PROXY_PATH}}}}}' for i in range(MEMBERS))}]",
            "rewards.saturation_ratio=0.5")),
+    Guard("anchor", "velocity anchor 1 at untrained steps (sigma <= 0.45)",
+          ("training.anchor_beta=1.0", "training.anchor_sigma_max=0.45")),
     Guard("select_best", "no guard, best checkpoint by held-out gold",
           (f"run.select_best_on={GOLD.replace('/family_mean', '/family_mean')}",)),
 )}
+
+
+# Where a run logs the proxy's ensemble mean: as the reward itself, inside the `ensemble`
+# reward, or (members as components, labelled m0..m3) as each member reward's `mean` component.
+PROXY_KEYS = (PROXY, "eval/ensemble.mean/family_mean", "eval/m0.mean/family_mean")
+
+
+def proxy_of(row: dict) -> float:
+    """The proxy's ensemble mean (family mean) in an evaluation record, whatever the guard's
+    reward layout; NaN when absent."""
+    return next((row[k] for k in PROXY_KEYS if k in row), math.nan)
 
 
 def evaluations(run_dir: Path) -> list[dict]:
@@ -98,12 +111,23 @@ def divergence(evals: list[dict]) -> int | None:
     if not evals:
         return None
     best = max(range(len(evals)), key=lambda i: evals[i][GOLD])
-    gold_best, proxy_best = evals[best][GOLD], evals[best].get(PROXY, math.nan)
+    gold_best, proxy_best = evals[best][GOLD], proxy_of(evals[best])
     se = evals[best].get(GOLD + "/se", 0.0)
     for row in evals[best + 1:]:
-        if row.get(PROXY, -math.inf) > proxy_best and row[GOLD] < gold_best - se:
+        if proxy_of(row) > proxy_best and row[GOLD] < gold_best - se:
             return int(row["iteration"])
     return None
+
+
+def delivered_gold(run_dir: Path, last: dict) -> float:
+    """Gold of the checkpoint the run hands over: the best one when the run selected one by
+    a held-out metric (``checkpoints/best.json``), else the last."""
+    best = run_dir / "checkpoints" / "best.json"
+    if best.is_file():
+        record = json.loads(best.read_text())
+        if record.get("key") == GOLD:
+            return float(record["value"])
+    return last[GOLD]
 
 
 def summarize(guard: Guard, run_dir: Path, max_iterations: int) -> dict | None:
@@ -112,7 +136,7 @@ def summarize(guard: Guard, run_dir: Path, max_iterations: int) -> dict | None:
         return None
     last, first = evals[-1], evals[0]
     best = max(evals, key=lambda r: r[GOLD])
-    proxy_peak = max(evals, key=lambda r: r.get(PROXY, -math.inf))
+    proxy_peak = max(evals, key=lambda r: -math.inf if math.isnan(proxy_of(r)) else proxy_of(r))
     cpu = [r["time/iteration"] for r in train_rows(run_dir) if "time/iteration" in r]
     return {
         "guard": guard.name, "label": guard.label, "finished": last["iteration"] >= max_iterations,
@@ -120,11 +144,12 @@ def summarize(guard: Guard, run_dir: Path, max_iterations: int) -> dict | None:
         "gold_start": first[GOLD], "gold_end": last[GOLD], "gold_end_se": last.get(GOLD + "/se"),
         "gold_best": best[GOLD], "gold_best_iteration": int(best["iteration"]),
         "gold_at_proxy_peak": proxy_peak[GOLD], "proxy_peak_iteration": int(proxy_peak["iteration"]),
-        "proxy_start": first.get(PROXY), "proxy_end": last.get(PROXY),
+        "proxy_start": proxy_of(first), "proxy_end": proxy_of(last),
         "artifacts_start": first.get(ARTIFACTS), "artifacts_end": last.get(ARTIFACTS),
         "diverges_at": divergence(evals),
+        "gold_delivered": delivered_gold(run_dir, last),
         "wall_seconds_per_iteration": statistics.median(cpu) if cpu else None,
-        "curve": [{"iteration": int(r["iteration"]), "gold": r[GOLD], "proxy": r.get(PROXY),
+        "curve": [{"iteration": int(r["iteration"]), "gold": r[GOLD], "proxy": proxy_of(r),
                    "artifacts": r.get(ARTIFACTS)} for r in evals],
     }
 
@@ -172,15 +197,16 @@ def report(guards: list[Guard], out: Path, results: Path, extra: list[str]) -> l
     if cost_path.is_file():
         cost = json.loads(cost_path.read_text())["ratio_to_none"]
     lines = ["| guard | its | gold start | gold end (se) | gold best (it) | gold at proxy peak (it)"
-             " | proxy start -> end | artifacts start -> end | proxy stops tracking gold at |"
-             " CPU s/it vs none |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             " | gold delivered | proxy start -> end | artifacts start -> end |"
+             " proxy stops tracking gold at | CPU s/it vs none |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(
             f"| {r['label']} | {r['iterations']}{'' if r['finished'] else ' (running)'} | "
             f"{fmt(r['gold_start'])} | {fmt(r['gold_end'])} ({fmt(r['gold_end_se'])}) | "
             f"{fmt(r['gold_best'])} ({r['gold_best_iteration']}) | "
             f"{fmt(r['gold_at_proxy_peak'])} ({r['proxy_peak_iteration']}) | "
+            f"{fmt(r['gold_delivered'])} | "
             f"{fmt(r['proxy_start'])} -> {fmt(r['proxy_end'])} | "
             f"{fmt(r['artifacts_start'], 4)} -> {fmt(r['artifacts_end'], 4)} | "
             f"{fmt(r['diverges_at'])} | {fmt(cost.get(r['guard']), 2)} |")
@@ -198,7 +224,7 @@ def plot(rows: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(16, 4.6))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 5.6))
     for r in rows:
         its = [p["iteration"] for p in r["curve"]]
         line, = axes[0].plot(its, [p["gold"] for p in r["curve"]], marker="o", ms=3,
@@ -213,8 +239,11 @@ def plot(rows: list[dict], path: Path) -> None:
     for ax in axes:
         ax.set_xlabel("iteration")
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=7, loc="lower left")
-    fig.tight_layout()
+    # Below the panels, so no curve is hidden (no guard and best-checkpoint selection train
+    # identically: their lines coincide).
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.16, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
