@@ -109,29 +109,27 @@ def _jsonl_record(line: str, where: str, folder: Path | None = None) -> dict:
     return record
 
 
-def load_image(path: Path, where: str = "") -> Tensor:
-    """An image file as float32 (3, H, W) in [0, 1] (RGB; alpha dropped, grey expanded)."""
+def _read_pixels(path: Path, mode: str, what: str, where: str, formats: str) -> np.ndarray:
+    """The pixels of an image file converted to PIL ``mode``, uint8; a missing or unreadable
+    file is an InputError naming the record's field (``what``) and the formats to give."""
     if not path.is_file():
-        raise InputError(f"{where}: image {path} does not exist; \"image\" is a path relative to "
-                         f"the JSONL file")
+        raise InputError(f"{where}: {what} {path} does not exist; \"{what}\" is a path relative "
+                         f"to the JSONL file")
     try:
         with Image.open(path) as handle:
-            pixels = np.asarray(handle.convert("RGB"))
+            return np.asarray(handle.convert(mode))
     except OSError as err:
-        raise InputError(f"{where}: image {path} cannot be read ({err}); give a PNG or JPEG") from None
-    return from_uint8(pixels)
+        raise InputError(f"{where}: {what} {path} cannot be read ({err}); give {formats}") from None
+
+
+def load_image(path: Path, where: str = "") -> Tensor:
+    """An image file as float32 (3, H, W) in [0, 1] (RGB; alpha dropped, grey expanded)."""
+    return from_uint8(_read_pixels(path, "RGB", "image", where, "a PNG or JPEG"))
 
 
 def load_mask(path: Path, where: str = "") -> Tensor:
     """A greyscale edit mask as float32 (1, H, W) in [0, 1] (white = the edit region)."""
-    if not path.is_file():
-        raise InputError(f"{where}: mask {path} does not exist; \"mask\" is a path relative to "
-                         f"the JSONL file")
-    try:
-        with Image.open(path) as handle:
-            pixels = np.asarray(handle.convert("L"))
-    except OSError as err:
-        raise InputError(f"{where}: mask {path} cannot be read ({err}); give a PNG") from None
+    pixels = _read_pixels(path, "L", "mask", where, "a PNG")
     return torch.from_numpy(pixels.astype(np.float32) / 255.0)[None]
 
 
