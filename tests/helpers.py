@@ -228,3 +228,22 @@ def assert_same_weights(one: dict, two: dict, start: dict | None = None) -> None
         assert torch.allclose(one[name], two[name], atol=2e-5, rtol=1e-4), name
     moved = max(float((one[n] - start[n]).abs().max()) for n in one) if start else 1.0
     assert moved > 1e-3   # not trivially equal: training moved the weights
+
+
+def edit_config(path: str, tmp_path: Path, *overrides: str) -> TrainConfig:
+    """A one-iteration run of the toy editing model at ``path`` on toy edits, rewarded by
+    ``toy_edit`` (partial), evaluated every iteration; dotted ``overrides`` on top."""
+    data = {
+        "name": "tiny_edit",
+        "model": {"family": "toy", "path": path, "lora": {"enabled": False}},
+        "prompts": {"train": "toy:edit_train", "eval": "toy:edit_heldout", "num_eval": 4},
+        "sampling": {"num_steps": 4, "eval_num_steps": 4, "rollout_batch_size": 4,
+                     "guidance_scale": 1.0},
+        "training": {"prompts_per_iteration": 2, "group_size": 4, "lr": 1e-3, "clip_low": 0.2,
+                     "skip_zero_std_groups": False},
+        "rewards": {"components": [{"name": "toy_edit", "options": {"score": "partial"}}],
+                    "threaded": False},
+        "run": {"output_dir": str(tmp_path / "runs"), "max_iterations": 1, "tracker": "none",
+                "progress": False, "checkpoint_every": 0, "eval_every": 1},
+    }
+    return load_config(data=data, overrides=list(overrides))

@@ -18,6 +18,7 @@ from flowgrpo.toyworld.editing import edit_split, render_pair
 from flowgrpo.toyworld.render import draw, place_scene
 from pipelines.toy import ToyArchitecture, ToyFlowModel, build_toy_model, to_editing_model
 from reward_models.toy_edit import ToyEditReward
+from tests.helpers import edit_config
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ToyArchitecture(num_layers=2, num_attention_heads=2, attention_head_dim=8, text_hidden_size=16,
@@ -127,23 +128,6 @@ def test_changing_only_the_source_image_changes_the_output(edit_model, edit_dir)
     with torch.no_grad():
         v = fresh.velocity(x, torch.full((2,), 0.7), cond, 1.0)
     assert torch.equal(v[0], v[1])
-
-
-def edit_config(path: str, tmp_path: Path, *overrides: str):
-    data = {
-        "name": "tiny_edit",
-        "model": {"family": "toy", "path": path, "lora": {"enabled": False}},
-        "prompts": {"train": "toy:edit_train", "eval": "toy:edit_heldout", "num_eval": 4},
-        "sampling": {"num_steps": 4, "eval_num_steps": 4, "rollout_batch_size": 4,
-                     "guidance_scale": 1.0},
-        "training": {"prompts_per_iteration": 2, "group_size": 4, "lr": 1e-3, "clip_low": 0.2,
-                     "skip_zero_std_groups": False},
-        "rewards": {"components": [{"name": "toy_edit", "options": {"score": "partial"}}],
-                    "threaded": False},
-        "run": {"output_dir": str(tmp_path / "runs"), "max_iterations": 1, "tracker": "none",
-                "progress": False, "checkpoint_every": 0, "eval_every": 1},
-    }
-    return load_config(data=data, overrides=list(overrides))
 
 
 @pytest.mark.parametrize("plan", [["sampling.plan.kind=full"],

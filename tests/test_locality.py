@@ -13,12 +13,13 @@ import torch
 from PIL import Image
 
 from flowgrpo.advantages import group_advantages, region_advantages
-from flowgrpo.config import ConfigError, load_config
+from flowgrpo.config import ConfigError
 from flowgrpo.edit_regions import difference_mask, downsample_mask
 from flowgrpo.losses import policy_loss, region_policy_loss
 from flowgrpo.prompts import load_prompts
 from flowgrpo.sde import region_log_probs, score_step, transition
 from flowgrpo.toyworld.editing import render_pair
+from tests.helpers import edit_config
 
 SHAPE = (6, 3, 8, 8)
 CLIP = 1e-3
@@ -220,22 +221,12 @@ def test_jsonl_mask_is_a_greyscale_image_relative_to_the_file(tmp_path):
 
 
 def locality_config(path: str, tmp_path: Path, *overrides: str):
-    data = {
-        "name": "tiny_edit",
-        "model": {"family": "toy", "path": path, "lora": {"enabled": False}},
-        "prompts": {"train": "toy:edit_train", "eval": "toy:edit_heldout", "num_eval": 4},
-        "sampling": {"num_steps": 4, "eval_num_steps": 4, "rollout_batch_size": 4,
-                     "guidance_scale": 1.0, "plan": {"kind": "full"}},
-        "training": {"prompts_per_iteration": 2, "group_size": 4, "lr": 1e-3, "clip_low": 0.2,
-                     "skip_zero_std_groups": False,
-                     "locality": {"mask": "record", "edit_key": "toy_edit.target",
-                                  "keep_key": "toy_edit.kept"}},
-        "rewards": {"components": [{"name": "toy_edit", "options": {"score": "exact"}}],
-                    "threaded": False},
-        "run": {"output_dir": str(tmp_path / "runs"), "max_iterations": 1, "tracker": "none",
-                "progress": False, "checkpoint_every": 0, "eval_every": 1},
-    }
-    return load_config(data=data, overrides=list(overrides))
+    """``edit_config`` with every step trained, the exact edit reward and locality on (the
+    recoloured object's exact mask from the toy records)."""
+    return edit_config(path, tmp_path, "sampling.plan.kind=full",
+                       "rewards.components=[{name: toy_edit, options: {score: exact}}]",
+                       "training.locality.mask=record", "training.locality.edit_key=toy_edit.target",
+                       "training.locality.keep_key=toy_edit.kept", *overrides)
 
 
 @pytest.mark.parametrize("overrides, message", [

@@ -82,28 +82,45 @@ def test_changing_only_the_source_image_changes_the_output(kontext):
         (1, *noise.shape[1:])
 
 
-def test_first_pass_ratio_is_exactly_one_and_lora_loads_in_the_stock_pipeline(kontext_dir, tmp_path):
+def _kontext_trainer(kontext_dir: str, tmp_path, name: str, masks: bool = False,
+                     locality: dict | None = None, rewards: list | None = None):
+    """A Trainer of the tiny Kontext model on two JSONL edit records (source images written to
+    tmp_path; with ``masks``, record i's mask is the top half of its i-th vertical stripe)."""
     from flowgrpo.config import load_config
     from flowgrpo.trainer import Trainer
 
     lines = []
     for i, image in enumerate(_sources()):
         Image.fromarray(to_uint8(image)).save(tmp_path / f"{i}.png")
-        lines.append(json.dumps({"prompt": PROMPTS[i], "image": f"{i}.png"}))
+        record = {"prompt": PROMPTS[i], "image": f"{i}.png"}
+        if masks:
+            mask = torch.zeros(H, W, dtype=torch.uint8)
+            mask[: H // 2, i * W // 2:(i + 1) * W // 2] = 255
+            Image.fromarray(mask.numpy()).save(tmp_path / f"{i}_mask.png")
+            record["mask"] = f"{i}_mask.png"
+        lines.append(json.dumps(record))
     (tmp_path / "edits.jsonl").write_text("\n".join(lines) + "\n")
+    training = {"prompts_per_iteration": 2, "group_size": 4, "lr": 1e-2, "clip_low": 0.2,
+                "skip_zero_std_groups": False}
+    if locality:
+        training["locality"] = locality
     config = load_config(data={
-        "name": "kontext",
+        "name": name,
         "model": {"family": "flux_kontext", "path": kontext_dir, "options": IMAGE_OPTIONS,
                   "lora": {"rank": 4, "alpha": 8}},
         "prompts": {"train": str(tmp_path / "edits.jsonl"), "eval": None},
         "sampling": {"num_steps": 4, "eval_num_steps": 4, "rollout_batch_size": 4,
                      "guidance_scale": 3.5},
-        "training": {"prompts_per_iteration": 2, "group_size": 4, "lr": 1e-2, "clip_low": 0.2,
-                     "skip_zero_std_groups": False},
-        "rewards": {"components": [{"name": "tests.helpers:Brightness"}], "threaded": False},
+        "training": training,
+        "rewards": {"components": rewards or [{"name": "tests.helpers:Brightness"}],
+                    "threaded": False},
         "run": {"output_dir": str(tmp_path / "runs"), "max_iterations": 1, "tracker": "none",
                 "progress": False, "checkpoint_every": 0, "eval_every": 0}})
-    trainer = Trainer(config)
+    return Trainer(config)
+
+
+def test_first_pass_ratio_is_exactly_one_and_lora_loads_in_the_stock_pipeline(kontext_dir, tmp_path):
+    trainer = _kontext_trainer(kontext_dir, tmp_path, "kontext")
     metrics = trainer.run_iteration(0)
     assert metrics["train/replay_batches"] > 0
     assert metrics["train/first_pass_ratio_max_dev"] == 0.0
@@ -123,42 +140,17 @@ def test_first_pass_ratio_is_exactly_one_and_lora_loads_in_the_stock_pipeline(ko
     torch.testing.assert_close(ours, loaded, atol=1e-3, rtol=0)
 
 
-
 def test_locality_masks_reach_the_packed_latents(kontext_dir, tmp_path):
     """training.locality on Kontext: each JSONL record's mask, downsampled to the VAE grid and
     packed like the latents, splits the replayed steps; the first pass's ratio stays exactly 1."""
-    from flowgrpo.config import load_config
     from flowgrpo.edit_regions import downsample_mask
-    from flowgrpo.trainer import Trainer
     from pipelines.flux import unpack_latents
 
-    lines = []
-    for i, image in enumerate(_sources()):
-        Image.fromarray(to_uint8(image)).save(tmp_path / f"{i}.png")
-        mask = torch.zeros(H, W, dtype=torch.uint8)
-        mask[: H // 2, i * W // 2:(i + 1) * W // 2] = 255
-        Image.fromarray(mask.numpy()).save(tmp_path / f"{i}_mask.png")
-        lines.append(json.dumps({"prompt": PROMPTS[i], "image": f"{i}.png",
-                                 "mask": f"{i}_mask.png"}))
-    (tmp_path / "edits.jsonl").write_text("\n".join(lines) + "\n")
-    config = load_config(data={
-        "name": "kontext_locality",
-        "model": {"family": "flux_kontext", "path": kontext_dir, "options": IMAGE_OPTIONS,
-                  "lora": {"rank": 4, "alpha": 8}},
-        "prompts": {"train": str(tmp_path / "edits.jsonl"), "eval": None},
-        "sampling": {"num_steps": 4, "eval_num_steps": 4, "rollout_batch_size": 4,
-                     "guidance_scale": 3.5},
-        "training": {"prompts_per_iteration": 2, "group_size": 4, "lr": 1e-2, "clip_low": 0.2,
-                     "skip_zero_std_groups": False,
-                     "locality": {"mask": "record", "edit_key": "bright", "keep_key": "dark",
-                                  "resize": "area"}},
-        "rewards": {"components": [
-            {"name": "tests.helpers:Brightness", "options": {"label": "bright"}},
-            {"name": "tests.helpers:Darkness", "options": {"label": "dark"}}],
-            "threaded": False},
-        "run": {"output_dir": str(tmp_path / "runs"), "max_iterations": 1, "tracker": "none",
-                "progress": False, "checkpoint_every": 0, "eval_every": 0}})
-    trainer = Trainer(config)
+    trainer = _kontext_trainer(
+        kontext_dir, tmp_path, "kontext_locality", masks=True,
+        locality={"mask": "record", "edit_key": "bright", "keep_key": "dark", "resize": "area"},
+        rewards=[{"name": "tests.helpers:Brightness", "options": {"label": "bright"}},
+                 {"name": "tests.helpers:Darkness", "options": {"label": "dark"}}])
     model = trainer.policy.model
     records, group_ids, sample_ids = trainer.local_batch(0)
     batch, _, _ = trainer.policy.rollout(records, group_ids, sample_ids, 0)
