@@ -122,7 +122,8 @@ ITERATION_KEYS = ("cpu_seconds", "wall_seconds", "cpu/iteration", "cpu/rollout",
                   "cpu/advantages", "cpu/update", "time/rollout", "time/reward_wait",
                   "time/update", "nfe", "trained_transitions", "train/optimizer_steps",
                   "train/replay_batches", "train/skipped_replay_batches", "reward/total/mean",
-                  "train/clip_frac", "lr")
+                  "train/clip_fraction", "train/first_pass_ratio_max_dev", "train/grad_norm",
+                  "lr")
 
 
 def parse_list(text: str, kind: Callable[[str], Any], name: str) -> list:
