@@ -34,7 +34,8 @@ restarts unfinished ones, so an interruption loses at most the run in progress; 
 measured with other settings (budget, interval, config file, overrides) is refused rather than
 mixed in. A ``.lock`` file per run lets two invocations with different ``--methods`` (one per core)
 share an ``--out``. ``--report`` (run at the end of every invocation too) reads every finished
-run in ``<out>/runs``.
+run in ``<out>/runs``, and sets the papers' speed claims (``CLAIMS``) beside the ratios measured
+here.
 """
 from __future__ import annotations
 
@@ -760,6 +761,115 @@ def plot_curves(summaries: list[dict], path: Path, target_delta: float = TARGET_
     return path
 
 
+@dataclass(frozen=True)
+class Claim:
+    """A paper's speed claim as a ratio of ``method`` against ``baseline``.
+
+    measure: "time" (median CPU seconds to +10 points, method / baseline), "reward" (training
+    reward at equal iterations: the mean over the second half of the iterations both runs of a
+    seed did, same prompts, method / baseline, then the mean over seeds) or "early_gain" (held-out
+    gain at the first evaluation, means over seeds, method / baseline).
+    """
+
+    text: str
+    method: str
+    baseline: str
+    measure: str
+    paper_ratio: str
+
+
+CLAIMS = (
+    Claim("MixGRPO: about half of DanceGRPO's training time", "mix_grpo", "dance_grpo", "time",
+          "0.5"),
+    Claim("MixGRPO-Flash: about 71% less training time than DanceGRPO", "mix_grpo_flash",
+          "dance_grpo", "time", "0.29"),
+    Claim("Flow-GRPO-Fast: 2 trained steps match the full SDE (Flow-GRPO)", "flow_grpo_fast",
+          "flow_grpo", "reward", "1.0 (reward at equal iterations)"),
+    Claim("Flash-GRPO: one step per trajectory beats full-trajectory training at low budgets",
+          "flash_grpo", "flow_grpo", "early_gain", "> 1 (gain at a low budget)"),
+)
+
+
+def _reward_at_equal_iterations(method_runs: list[dict], baseline_runs: list[dict]
+                                ) -> tuple[float, float] | None:
+    """Mean over shared seeds of the training reward over the second half of the iterations both
+    runs of a seed did: (method, baseline). None when no seed is shared."""
+    baseline_by_seed = {r["seed"]: r for r in baseline_runs}
+    pairs = []
+    for run in method_runs:
+        other = baseline_by_seed.get(run["seed"])
+        if other is None:
+            continue
+        ours = run["iterations"].get("reward/total/mean") or []
+        theirs = other["iterations"].get("reward/total/mean") or []
+        n = min(len(ours), len(theirs))
+        if n == 0:
+            continue
+        half = slice(n // 2, n)
+        pairs.append((_mean_of(ours[half]), _mean_of(theirs[half])))
+    pairs = [(a, b) for a, b in pairs if a is not None and b is not None]
+    if not pairs:
+        return None
+    return _mean_of([a for a, _ in pairs]), _mean_of([b for _, b in pairs])
+
+
+def claim_row(claim: Claim, summaries: dict[str, dict], runs: dict[str, list[dict]]) -> dict:
+    """The claim's measured ratio from the report's summaries (and, for "reward", the runs).
+    ``measured`` is text: a ratio, a bound when one side did not reach the target, or why there
+    is none; ``ratio`` the number when there is one."""
+    row = {"claim": claim.text, "method": claim.method, "baseline": claim.baseline,
+           "measure": claim.measure, "paper_ratio": claim.paper_ratio, "ratio": None}
+    if claim.method not in summaries or claim.baseline not in summaries:
+        return {**row, "measured": "not measured"}
+    ours, theirs = summaries[claim.method], summaries[claim.baseline]
+    if claim.measure == "time":
+        a, b = ours["seconds_to_target"]["median"], theirs["seconds_to_target"]["median"]
+        budget = ours["budget"]
+        row.update(method_value=a, baseline_value=b)
+        if a is not None and b is not None:
+            row["ratio"] = a / b
+            return {**row, "measured": f"{a / b:.2f} ({a:.0f} s / {b:.0f} s to +10)"}
+        if a is not None:
+            return {**row, "measured": f"< {a / budget:.2f} ({a:.0f} s; the baseline did not "
+                                       f"reach +10 in {budget:g} s)"}
+        if b is not None:
+            return {**row, "measured": f"> {budget / b:.2f} (not reached in {budget:g} s; the "
+                                       f"baseline in {b:.0f} s)"}
+        return {**row, "measured": f"neither reached +10 in {budget:g} s"}
+    if claim.measure == "reward":
+        means = _reward_at_equal_iterations(runs.get(claim.method, []),
+                                            runs.get(claim.baseline, []))
+        if means is None or not means[1]:
+            return {**row, "measured": "no shared seed"}
+        row.update(method_value=means[0], baseline_value=means[1], ratio=means[0] / means[1])
+        return {**row, "measured": f"{means[0] / means[1]:.2f} (training reward {means[0]:.3f} "
+                                   f"vs {means[1]:.3f})"}
+    if claim.measure == "early_gain":
+        first = min(m for m in ours["curve"]["cpu_seconds"] if m > 0)
+        at = ours["curve"]["cpu_seconds"].index(first)
+        gains = []
+        for summary in (ours, theirs):
+            mean = summary["curve"]["mean"][at] if summary["curve"]["cpu_seconds"][at] == first \
+                else None
+            gains.append(None if mean is None else mean - summary["base"]["accuracy"])
+        a, b = gains
+        row.update(method_value=a, baseline_value=b, at_cpu_seconds=first)
+        if a is None or b is None:
+            return {**row, "measured": "not measured at the same mark"}
+        if b > 0:
+            row["ratio"] = a / b
+            return {**row, "measured": f"{a / b:.2f} (gain {a:+.3f} vs {b:+.3f} at {first:g} s)"}
+        return {**row, "measured": f"gain {a:+.3f} vs {b:+.3f} at {first:g} s (no ratio: the "
+                                   f"baseline did not gain)"}
+    raise ValueError(f"unknown claim measure {claim.measure!r}")
+
+
+def format_claims(rows: list[dict]) -> str:
+    lines = ["| claim | paper's ratio | measured here |", "|---|---|---|"]
+    lines += [f"| {r['claim']} | {r['paper_ratio']} | {r['measured']} |" for r in rows]
+    return "\n".join(lines)
+
+
 def report(out: Path, command: str = "", log: Callable[[str], None] = print) -> dict | None:
     """Aggregate every finished run in ``<out>/runs`` into table.md, methods.json and
     accuracy_vs_cpu_seconds.png. Returns the JSON's content (None when nothing is finished)."""
@@ -795,9 +905,15 @@ def report(out: Path, command: str = "", log: Callable[[str], None] = print) -> 
     table = "\n".join(head + [format_table(summaries)])
     if unfinished:
         table += f"\n\nNot finished (not in the table): {', '.join(unfinished)}"
+    by_name = {s["method"]: s for s in summaries}
+    claims = [claim_row(c, by_name, by_method) for c in CLAIMS]
+    table += ("\n\nThe papers' speed claims, as ratios against their baselines, measured here "
+              "(time: median CPU seconds to +10 points; reward: training reward over the second "
+              "half of the iterations both runs did, mean over seeds; early gain: held-out gain "
+              "at the first evaluation, mean over seeds):\n\n" + format_claims(claims))
     (out / "table.md").write_text(table + "\n")
     data = {"generated": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": command,
-            "target_delta": TARGET_DELTA, "methods": {s["method"]: s for s in summaries},
+            "target_delta": TARGET_DELTA, "methods": by_name, "claims": claims,
             "unfinished": unfinished}
     write_json(out / "methods.json", data)
     plot = plot_curves(summaries, out / "accuracy_vs_cpu_seconds.png")

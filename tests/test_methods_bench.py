@@ -327,6 +327,51 @@ def test_table_has_a_line_per_method_and_says_not_reached(bench):
     assert rows[0]["iterations"] == "30" and rows[1]["iterations"] == "30 (1 cap)"
 
 
+def test_claims_are_ratios_against_their_baselines(bench):
+    def with_rewards(record, rewards):
+        record["iterations"]["reward/total/mean"] = rewards
+        return record
+
+    fast = [_record("mix_grpo", 0, [0.36, 0.42, 0.45]), _record("mix_grpo", 1, [0.38, 0.41, 0.43])]
+    slow = [_record("dance_grpo", 0, [0.32, 0.35, 0.41]),
+            _record("dance_grpo", 1, [0.31, 0.34, 0.42])]
+    never = [_record("mix_grpo_flash", 0, [0.31, 0.32, 0.33])]
+    runs = {"mix_grpo": fast, "dance_grpo": slow, "mix_grpo_flash": never}
+    summaries = {name: bench.summarize_method(r) for name, r in runs.items()}
+    time_claim, flash_claim = bench.CLAIMS[0], bench.CLAIMS[1]
+    row = bench.claim_row(time_claim, summaries, runs)
+    # seconds to 0.40 by interpolation: mix 103 + 100 * 4/6 on both seeds; dance 203 + 100 * 5/6
+    # and 203 + 100 * 6/8, median of two = their mean
+    mix, dance = 103 + 100 * 4 / 6, (203 + 100 * 5 / 6 + 203 + 100 * 6 / 8) / 2
+    assert row["ratio"] == pytest.approx(mix / dance)
+    assert row["measured"].startswith(f"{mix / dance:.2f} (")
+    bound = bench.claim_row(flash_claim, summaries, runs)     # MixGRPO-Flash never reaches it
+    assert bound["ratio"] is None
+    assert bound["measured"].startswith(f"> {300 / dance:.2f} (not reached")
+    assert bench.claim_row(flash_claim, {"dance_grpo": summaries["dance_grpo"]}, runs)[
+        "measured"] == "not measured"
+
+    # reward at equal iterations: second half of the shorter run (10 iterations of 20 -> 5..9)
+    ours = [with_rewards(_record("flow_grpo_fast", 0, [0.3, 0.3]), [0.1] * 5 + [0.6] * 15)]
+    theirs = [with_rewards(_record("flow_grpo", 0, [0.3]), [0.2] * 5 + [0.3] * 5)]
+    runs = {"flow_grpo_fast": ours, "flow_grpo": theirs}
+    summaries = {name: bench.summarize_method(r) for name, r in runs.items()}
+    row = bench.claim_row(bench.CLAIMS[2], summaries, runs)
+    assert row["method_value"] == pytest.approx(0.6) and row["baseline_value"] == pytest.approx(0.3)
+    assert row["ratio"] == pytest.approx(2.0)
+
+    # early gain: at the first evaluation mark (100 s): +0.08 vs +0.02
+    runs = {"flash_grpo": [_record("flash_grpo", 0, [0.38, 0.40])],
+            "flow_grpo": [_record("flow_grpo", 0, [0.32, 0.45])]}
+    summaries = {name: bench.summarize_method(r) for name, r in runs.items()}
+    row = bench.claim_row(bench.CLAIMS[3], summaries, runs)
+    assert row["at_cpu_seconds"] == 100.0 and row["ratio"] == pytest.approx(4.0)
+    runs["flow_grpo"] = [_record("flow_grpo", 0, [0.29, 0.45])]
+    summaries["flow_grpo"] = bench.summarize_method(runs["flow_grpo"])
+    row = bench.claim_row(bench.CLAIMS[3], summaries, runs)
+    assert row["ratio"] is None and "did not gain" in row["measured"]
+
+
 def test_tuning_choice_breaks_ties_toward_the_lower_lr(bench):
     points = [{"lr": 4e-4, "noise_rank": 0, "accuracy": 0.50},
               {"lr": 2e-4, "noise_rank": 1, "accuracy": 0.50},
@@ -454,10 +499,10 @@ def test_quick_benchmark_end_to_end_writes_table_json_and_plot(bench, tmp_path):
     """Two methods x two seeds in quick mode (2 CPU seconds each, 12 evaluation samples):
     the table, the JSON with every field of the report and the plot are written; a rerun of
     the same command trains nothing. About 40 s."""
-    args = ["--quick", "--methods", "flash_grpo,flow_grpo_fast", "--seeds", "0,1",
+    args = ["--quick", "--methods", "flash_grpo,flow_grpo", "--seeds", "0,1",
             "--out", str(tmp_path)]
     data = bench.main(args)
-    assert set(data["methods"]) == {"flash_grpo", "flow_grpo_fast"}
+    assert set(data["methods"]) == {"flash_grpo", "flow_grpo"}
     for summary in data["methods"].values():
         assert summary["seeds"] == [0, 1]
         assert summary["accuracy"]["low"] is not None and summary["gain"]["high"] is not None
@@ -474,10 +519,20 @@ def test_quick_benchmark_end_to_end_writes_table_json_and_plot(bench, tmp_path):
         assert run["cpu_seconds"] >= bench.QUICK_BUDGET or \
             run["iterations_done"] == run["max_iterations"]
         assert all(e["samples"] == 12 for e in run["evals"])
+    for path in (tmp_path / "runs").glob("*.json"):
+        # the rollout's log-probs are those the update recomputes before its first step
+        deviations = json.loads(path.read_text())["iterations"]["train/first_pass_ratio_max_dev"]
+        assert deviations and max(deviations) < 1e-3
+    # the Flash-GRPO claim (against Flow-GRPO, both run) is measured; those without theirs not
+    claims = {c["method"]: c for c in data["claims"]}
+    assert len(data["claims"]) == len(bench.CLAIMS)
+    assert claims["flash_grpo"]["measured"] not in ("not measured", "not measured at the same mark")
+    assert claims["mix_grpo"]["measured"] == "not measured"
     # one base evaluation for every method and seed
     assert len(list((tmp_path / "base").glob("*.json"))) == 1
     table = (tmp_path / "table.md").read_text()
     assert bench.TABLE_HEADER in table and "| Flash-GRPO | 2 |" in table
+    assert "| Flash-GRPO: one step per trajectory" in table
     assert (tmp_path / "accuracy_vs_cpu_seconds.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads((tmp_path / "methods.json").read_text())["methods"].keys() == \
         data["methods"].keys()
