@@ -856,11 +856,12 @@ def claim_row(claim: Claim, summaries: dict[str, dict], runs: dict[str, list[dic
         row.update(method_value=a, baseline_value=b, at_cpu_seconds=first)
         if a is None or b is None:
             return {**row, "measured": "not measured at the same mark"}
-        if b > 0:
+        if a > 0 and b > 0:
             row["ratio"] = a / b
             return {**row, "measured": f"{a / b:.2f} (gain {a:+.3f} vs {b:+.3f} at {first:g} s)"}
-        return {**row, "measured": f"gain {a:+.3f} vs {b:+.3f} at {first:g} s (no ratio: the "
-                                   f"baseline did not gain)"}
+        loser = "the method" if a <= 0 else "the baseline"
+        return {**row, "measured": f"gain {a:+.3f} vs {b:+.3f} at {first:g} s (no ratio: "
+                                   f"{loser} did not gain)"}
     raise ValueError(f"unknown claim measure {claim.measure!r}")
 
 
