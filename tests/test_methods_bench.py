@@ -466,14 +466,15 @@ def test_calibration_and_tuning_values_are_written_into_a_config(bench, tmp_path
     method = bench.Method("mix_copy", "Mix copy", str(copy), (0.7, 1.0), window_visits=7)
     values = bench.calibrated_values(method, {"max_iterations_for_budget": 140,
                                               "shift_interval": 20})
-    values.update({"training.lr": bench.yaml_number(4e-4),
-                   "sampling.noise_level": bench.yaml_number(1.0)})
+    # values no shipped config holds, so that each of the six lines changes
+    values.update({"training.lr": bench.yaml_number(1.5e-4),
+                   "sampling.noise_level": bench.yaml_number(1.1)})
     bench.write_config_values(method, values)
     config = load_config(copy, [f"model.path={TOY}"])
     assert (config.run.max_iterations, config.run.eval_every, config.run.checkpoint_every) == \
         (140, 35, 35)
     assert config.sampling.plan.shift_interval == 20
-    assert (config.training.lr, config.sampling.noise_level) == (4e-4, 1.0)
+    assert (config.training.lr, config.sampling.noise_level) == (1.5e-4, 1.1)
     # every other line, comments included, is unchanged
     before, after = source.read_text().splitlines(), copy.read_text().splitlines()
     changed = [(a, b) for a, b in zip(before, after) if a != b]
