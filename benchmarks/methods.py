@@ -871,6 +871,55 @@ def format_claims(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def separations(summaries: list[dict]) -> list[tuple[str, str]]:
+    """(higher, lower) label pairs whose 95% intervals of the gain over seeds do not overlap:
+    the higher method's interval lies wholly above the lower's. A method with one seed has no
+    interval and separates from nothing. Ordered by the higher method's mean gain, then the
+    lower's, both descending."""
+    ranked = sorted((s for s in summaries if s["gain"]["low"] is not None),
+                    key=lambda s: -s["gain"]["mean"])
+    return [(a["label"], b["label"]) for i, a in enumerate(ranked) for b in ranked[i + 1:]
+            if a["gain"]["low"] > b["gain"]["high"]]
+
+
+def format_ranking(summaries: list[dict]) -> str:
+    """One sentence per method that lies above others, and what cannot be ranked."""
+    pairs = separations(summaries)
+    single = [s["label"] for s in summaries if s["gain"]["low"] is None]
+    lines = ["Ranking, stated only where the 95% intervals of the gain over seeds do not overlap:"]
+    above: dict[str, list[str]] = {}
+    for high, low in pairs:
+        above.setdefault(high, []).append(low)
+    lines += [f"- {high} above {', '.join(lows)}" for high, lows in above.items()]
+    if not pairs:
+        lines.append("- no two methods separate: no ranking")
+    if single:
+        lines.append(f"- one seed only (not ranked): {', '.join(single)}")
+    return "\n".join(lines)
+
+
+def reproduce_command(records: list[dict], out: Path) -> str:
+    """The table's own command, read from its runs (seeds, budget, evaluation interval, extra
+    overrides, methods): rerunning it skips every finished run and rewrites the report."""
+    seeds = sorted({r["seed"] for r in records})
+    signature = records[0]["signature"]
+    names = {r["method"] for r in records}
+    methods = [m for m in METHODS if m in names] + sorted(names - set(METHODS))
+    parts = ["python benchmarks/methods.py", f"--seeds {','.join(map(str, seeds))}",
+             f"--budget {signature['budget']:g}", f"--eval-interval {signature['eval_interval']:g}",
+             f"--methods {','.join(methods)}"]
+    overrides = {tuple(r["signature"].get("overrides", ())) for r in records}
+    if len(overrides) == 1:
+        parts += [f"--set {item}" for item in next(iter(overrides))]
+    try:
+        relative = out.resolve().relative_to(ROOT)
+    except ValueError:
+        relative = out
+    if str(relative) != DEFAULT_OUT:
+        parts.append(f"--out {relative}")
+    return " ".join(parts)
+
+
 def report(out: Path, command: str = "", log: Callable[[str], None] = print) -> dict | None:
     """Aggregate every finished run in ``<out>/runs`` into table.md, methods.json and
     accuracy_vs_cpu_seconds.png. Returns the JSON's content (None when nothing is finished)."""
@@ -901,9 +950,10 @@ def report(out: Path, command: str = "", log: Callable[[str], None] = print) -> 
               "over every iteration of every seed, CPU seconds; rollout includes the reward; "
               "other = the rest of the iteration.",
             ""]
-    if command:
-        head.insert(1, f"Command: `{command}`")
+    head.insert(1, f"Command (resumable; reruns skip finished runs): "
+                   f"`{reproduce_command(records, out)}`")
     table = "\n".join(head + [format_table(summaries)])
+    table += "\n\n" + format_ranking(summaries)
     if unfinished:
         table += f"\n\nNot finished (not in the table): {', '.join(unfinished)}"
     by_name = {s["method"]: s for s in summaries}
@@ -914,6 +964,8 @@ def report(out: Path, command: str = "", log: Callable[[str], None] = print) -> 
               "at the first evaluation, mean over seeds):\n\n" + format_claims(claims))
     (out / "table.md").write_text(table + "\n")
     data = {"generated": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": command,
+            "table_command": reproduce_command(records, out),
+            "separations": [{"higher": h, "lower": low} for h, low in separations(summaries)],
             "target_delta": TARGET_DELTA, "methods": by_name, "claims": claims,
             "unfinished": unfinished}
     write_json(out / "methods.json", data)

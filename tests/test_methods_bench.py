@@ -327,6 +327,43 @@ def test_table_has_a_line_per_method_and_says_not_reached(bench):
     assert rows[0]["iterations"] == "30" and rows[1]["iterations"] == "30 (1 cap)"
 
 
+def test_ranking_only_where_the_intervals_do_not_overlap(bench):
+    # final gains over the 0.30 base: "high" +0.20 +-0.01, "mid" +0.10 +-0.01, "wide" spans both
+    summaries = [bench.summarize_method([_record(name, seed, [0.3, 0.3, 0.3 + gain])
+                                         for seed, gain in enumerate(gains)])
+                 for name, gains in (("mid", (0.09, 0.10, 0.11)), ("high", (0.19, 0.20, 0.21)),
+                                     ("wide", (-0.10, 0.15, 0.40)))]
+    summaries.append(bench.summarize_method([_record("lone", 0, [0.3, 0.3, 0.9])]))
+    half = summaries[0]["gain"]["half_width"]
+    assert half == pytest.approx(4.302653 * 0.01 / 3 ** 0.5, rel=1e-5)   # t_{0.975,2} s / sqrt(3)
+    assert bench.separations(summaries) == [("High", "Mid")]
+    text = bench.format_ranking(summaries)
+    assert "- High above Mid" in text and "Wide above" not in text
+    assert "one seed only (not ranked): Lone" in text
+    # intervals that touch (upper of the lower == lower of the higher) do not separate
+    close = [bench.summarize_method([_record(name, seed, [0.3, 0.3, 0.3 + gain])
+                                     for seed, gain in enumerate(gains)])
+             for name, gains in (("a", (0.09, 0.10, 0.11)), ("b", (0.10 + half,) * 3))]
+    assert close[1]["gain"]["low"] == pytest.approx(close[0]["gain"]["high"])
+    assert bench.separations(close) in ([], [("B", "A")])   # float tie: either side of equal
+    assert "no two methods separate" in bench.format_ranking(close[:1])
+
+
+def test_table_command_is_read_from_its_runs(bench, tmp_path):
+    records = [_record("flow_grpo", 2, [0.4] * 3), _record("default", 0, [0.4] * 3),
+               _record("default", 1, [0.4] * 3)]
+    records[0]["signature"]["overrides"] = ["training.lr=2e-4"]
+    mixed = bench.reproduce_command(records, bench.ROOT / bench.DEFAULT_OUT)
+    assert mixed == ("python benchmarks/methods.py --seeds 0,1,2 --budget 300 "
+                     "--eval-interval 100 --methods default,flow_grpo")
+    for record in records:
+        record["signature"]["overrides"] = ["training.lr=2e-4"]
+    other = bench.reproduce_command(records, bench.ROOT / "benchmarks/results/methods/lr2e-4")
+    assert other.endswith("--methods default,flow_grpo --set training.lr=2e-4 "
+                          "--out benchmarks/results/methods/lr2e-4")
+    assert bench.reproduce_command(records, tmp_path).endswith(f"--out {tmp_path}")
+
+
 def test_claims_are_ratios_against_their_baselines(bench):
     def with_rewards(record, rewards):
         record["iterations"]["reward/total/mean"] = rewards
