@@ -9,6 +9,7 @@ training seeds, and ranks them by held-out accuracy::
     python benchmarks/methods.py --tune         # lr x noise grid, one seed, short budget
     python benchmarks/methods.py --seeds 0,1,2  # the table (resumable)
     python benchmarks/methods.py --report       # table.md, methods.json, the plot
+    python benchmarks/methods.py --signal       # reward variance of each method's rollouts
     python benchmarks/methods.py --quick --methods flow_grpo,flash_grpo --out /tmp/quick
 
 What is equal: every run starts from ``assets/toy``; a training seed gives every method the same
@@ -124,7 +125,7 @@ ITERATION_KEYS = ("cpu_seconds", "wall_seconds", "cpu/iteration", "cpu/rollout",
                   "time/update", "nfe", "trained_transitions", "train/optimizer_steps",
                   "train/replay_batches", "train/skipped_replay_batches", "reward/total/mean",
                   "train/clip_fraction", "train/first_pass_ratio_max_dev", "train/grad_norm",
-                  "lr")
+                  "lr", "adv/zero_std_fraction")
 
 
 def parse_list(text: str, kind: Callable[[str], Any], name: str) -> list:
@@ -1064,6 +1065,71 @@ def calibrate(methods: list[Method], budget: float, iterations: int, out: Path,
 # ----------------------------------------------------------------------------- config edits
 
 
+# ----------------------------------------------------------------------------- reward signal
+
+
+def group_signal(values: Sequence[float], group_ids: Sequence[int]) -> dict:
+    """The learning signal in one batch of groups: ``no_signal`` = share of groups whose rewards
+    are all equal (zero advantage: nothing to learn from), ``within_std`` = mean over groups of
+    the rewards' population std, ``mean`` = mean reward."""
+    groups: dict[int, list[float]] = {}
+    for value, group in zip(values, group_ids):
+        groups.setdefault(int(group), []).append(float(value))
+    if not groups:
+        raise ValueError("group_signal needs at least one reward")
+    flat = [v for members in groups.values() for v in members]
+    return {"no_signal": sum(max(m) == min(m) for m in groups.values()) / len(groups),
+            "within_std": sum(statistics.pstdev(m) for m in groups.values()) / len(groups),
+            "mean": sum(flat) / len(flat), "groups": len(groups)}
+
+
+def signal_probe(methods: list[Method], iterations: int, out: Path, extra: Sequence[str] = (),
+                 log: Callable[[str], None] = print) -> dict:
+    """Each method's rollouts from the untrained base (training seed 0, so every method draws the
+    same prompts; no update in between): how much reward variance its sampler gives the groups.
+    A method whose groups mostly have equal rewards cannot learn whatever its loss; writes
+    ``<out>/signal.json`` and ``signal.md``."""
+    from flowgrpo.trainer import Trainer
+
+    results: dict[str, dict] = {}
+    for method in methods:
+        spec = RunSpec(method.name, 0, f"signal_{method.name}", 1.0, 1.0, TABLE_EVAL_SEED,
+                       tuple(extra))
+        config = spec.load(out)
+        trainer = Trainer(config)
+        rows = []
+        for iteration in range(iterations):
+            batch, rewards, _ = trainer.rollout_and_score(iteration)
+            rows.append(group_signal(rewards["total"].tolist(), batch.group_ids.tolist()))
+        s = config.sampling
+        results[method.name] = {
+            "label": method.label, "kind": s.kind, "noise_level": s.noise_level,
+            "shared_initial_noise": s.share_initial_noise, "plan": s.plan.kind,
+            "iterations": iterations, "groups": sum(r["groups"] for r in rows),
+            **{k: _mean_of([r[k] for r in rows]) for k in ("no_signal", "within_std", "mean")}}
+        r = results[method.name]
+        log(f"{method.name:20s} rollout reward {r['mean']:.3f}, groups without signal "
+            f"{r['no_signal']:.2f}, within-group std {r['within_std']:.3f}")
+        del trainer
+        gc.collect()
+    lines = [f"Reward signal of each method's rollouts from the untrained base, "
+             f"{time.strftime('%Y-%m-%d')}: {iterations} iterations at training seed 0 (the same "
+             f"prompts for every method), no update; exact reward. No signal = share of groups "
+             f"whose rewards are all equal.", "",
+             "| method | SDE | noise | shared initial noise | plan | groups | rollout reward | "
+             "no signal | within-group std |", "|---|---|---:|:---:|---|---:|---:|---:|---:|"]
+    for r in results.values():
+        lines.append(f"| {r['label']} | {r['kind']} | {r['noise_level']:g} | "
+                     f"{'yes' if r['shared_initial_noise'] else 'no'} | {r['plan']} | "
+                     f"{r['groups']} | {r['mean']:.3f} | {r['no_signal']:.2f} | "
+                     f"{r['within_std']:.3f} |")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "signal.md").write_text("\n".join(lines) + "\n")
+    write_json(out / "signal.json", {"measured": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+                                     "iterations": iterations, "methods": results})
+    return results
+
+
 def set_yaml_scalar(text: str, dotted: str, value: str) -> str:
     """``text`` with the block-style YAML scalar at ``dotted`` (e.g. ``training.lr``,
     ``sampling.plan.shift_interval``) set to ``value``, keeping every other line and the
@@ -1255,6 +1321,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "--budget (calibration.json)")
     mode.add_argument("--tune", action="store_true",
                       help="the lr x noise grid on one seed at --tune-budget (tuning.md/json)")
+    mode.add_argument("--signal", action="store_true",
+                      help="reward variance of each method's rollouts from the base, no training "
+                           "(signal.md/json; --signal-iterations)")
     mode.add_argument("--report", action="store_true",
                       help="only aggregate the finished runs of --out")
     parser.add_argument("--quick", action="store_true",
@@ -1269,6 +1338,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT})")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="extra dotted config override for every run (repeatable)")
+    parser.add_argument("--signal-iterations", type=int, default=8,
+                        help="rollout iterations per method for --signal (default 8)")
     parser.add_argument("--calibrate-iterations", type=int, default=3,
                         help="counted iterations per method after one warm-up (default 3)")
     parser.add_argument("--write-configs", action="store_true",
@@ -1311,6 +1382,8 @@ def main(argv: list[str] | None = None) -> dict | None:
 
     if args.report:
         return report(out, command)
+    if args.signal:
+        return signal_probe(methods, 1 if args.quick else args.signal_iterations, out, extra)
     if args.calibrate:
         data = calibrate(methods, budget, args.calibrate_iterations, out, extra)
         seeds = parse_list(args.seeds, int, "--seeds")

@@ -364,6 +364,21 @@ def test_table_command_is_read_from_its_runs(bench, tmp_path):
     assert bench.reproduce_command(records, tmp_path).endswith(f"--out {tmp_path}")
 
 
+def test_group_signal_counts_groups_without_reward_variance(bench):
+    # group 0: all 1 (no signal), group 1: 0, 1, 0, 1 (std 0.5), group 2: 0, 0, 0, 1 (std sqrt(3)/4)
+    values = [1, 1, 1, 1, 0, 1, 0, 1, 0, 0, 0, 1]
+    groups = [0] * 4 + [1] * 4 + [2] * 4
+    signal = bench.group_signal(values, groups)
+    assert signal["no_signal"] == pytest.approx(1 / 3)
+    assert signal["within_std"] == pytest.approx((0 + 0.5 + 3 ** 0.5 / 4) / 3)
+    assert signal["mean"] == pytest.approx(7 / 12) and signal["groups"] == 3
+    # the order of the rows does not matter, only their groups
+    order = [11, 0, 5, 3, 8, 1, 10, 2, 7, 4, 9, 6]
+    assert bench.group_signal([values[i] for i in order], [groups[i] for i in order]) == signal
+    with pytest.raises(ValueError, match="at least one"):
+        bench.group_signal([], [])
+
+
 def test_claims_are_ratios_against_their_baselines(bench):
     def with_rewards(record, rewards):
         record["iterations"]["reward/total/mean"] = rewards
@@ -581,3 +596,12 @@ def test_quick_benchmark_end_to_end_writes_table_json_and_plot(bench, tmp_path):
     stamps = {p: p.stat().st_mtime_ns for p in (tmp_path / "runs").glob("*.json")}
     bench.main(args)
     assert {p: p.stat().st_mtime_ns for p in (tmp_path / "runs").glob("*.json")} == stamps
+    # the table reproduces from the command it prints
+    assert data["table_command"].startswith("python benchmarks/methods.py --seeds 0,1 ")
+    assert "--methods flow_grpo,flash_grpo" in data["table_command"]
+    # the reward-signal probe: one quick iteration of 2 groups per method, shares in [0, 1]
+    signal = bench.main(["--signal", "--quick", "--methods", "flash_grpo", "--out", str(tmp_path)])
+    probe = json.loads((tmp_path / "signal.json").read_text())["methods"]["flash_grpo"]
+    assert probe == signal["flash_grpo"] and probe["groups"] == 2
+    assert 0 <= probe["no_signal"] <= 1 and probe["within_std"] <= 0.5 + 1e-9
+    assert "| Flash-GRPO | flash_sde |" in (tmp_path / "signal.md").read_text()
