@@ -1112,21 +1112,35 @@ def signal_probe(methods: list[Method], iterations: int, out: Path, extra: Seque
             f"{r['no_signal']:.2f}, within-group std {r['within_std']:.3f}")
         del trainer
         gc.collect()
-    lines = [f"Reward signal of each method's rollouts from the untrained base, "
-             f"{time.strftime('%Y-%m-%d')}: {iterations} iterations at training seed 0 (the same "
-             f"prompts for every method), no update; exact reward. No signal = share of groups "
-             f"whose rewards are all equal.", "",
-             "| method | SDE | noise | shared initial noise | plan | groups | rollout reward | "
-             "no signal | within-group std |", "|---|---|---:|:---:|---|---:|---:|---:|---:|"]
-    for r in results.values():
-        lines.append(f"| {r['label']} | {r['kind']} | {r['noise_level']:g} | "
-                     f"{'yes' if r['shared_initial_noise'] else 'no'} | {r['plan']} | "
-                     f"{r['groups']} | {r['mean']:.3f} | {r['no_signal']:.2f} | "
-                     f"{r['within_std']:.3f} |")
+    # Two invocations (one per core, --methods halves) merge their methods into one file.
     out.mkdir(parents=True, exist_ok=True)
-    (out / "signal.md").write_text("\n".join(lines) + "\n")
-    write_json(out / "signal.json", {"measured": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-                                     "iterations": iterations, "methods": results})
+    path = out / "signal.json"
+    lock = RunLock(path)
+    while not lock.acquire():
+        time.sleep(0.2)
+    try:
+        merged = dict(results)
+        if path.is_file():
+            earlier = json.loads(path.read_text())
+            if earlier.get("iterations") == iterations:
+                merged = {**earlier.get("methods", {}), **results}
+        merged = {m: merged[m] for m in METHODS if m in merged}
+        write_json(path, {"measured": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+                          "iterations": iterations, "methods": merged})
+        lines = [f"Reward signal of each method's rollouts from the untrained base, "
+                 f"{time.strftime('%Y-%m-%d')}: {iterations} iterations at training seed 0 (the "
+                 f"same prompts for every method), no update; exact reward. No signal = share of "
+                 f"groups whose rewards are all equal.", "",
+                 "| method | SDE | noise | shared initial noise | plan | groups | rollout reward | "
+                 "no signal | within-group std |", "|---|---|---:|:---:|---|---:|---:|---:|---:|"]
+        for r in merged.values():
+            lines.append(f"| {r['label']} | {r['kind']} | {r['noise_level']:g} | "
+                         f"{'yes' if r['shared_initial_noise'] else 'no'} | {r['plan']} | "
+                         f"{r['groups']} | {r['mean']:.3f} | {r['no_signal']:.2f} | "
+                         f"{r['within_std']:.3f} |")
+        (out / "signal.md").write_text("\n".join(lines) + "\n")
+    finally:
+        lock.release()
     return results
 
 
