@@ -314,6 +314,33 @@ def _alive(pid: int | None) -> bool:
 # ----------------------------------------------------------------------------- run specs
 
 
+def merge_methods_json(path: Path, data: dict, same: str,
+                       then: Callable[[dict], None] | None = None) -> dict:
+    """Write ``data`` to ``path`` with ``data["methods"]`` merged over the file's, when the file
+    was measured under the same ``data[same]`` (a budget, a number of iterations); otherwise the
+    file is replaced. Under a lock, so two invocations (one per core, --methods halves) of one
+    mode build one file; ``then(written)`` runs under the same lock (a table made from it).
+    Returns what was written."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock = RunLock(path)
+    while not lock.acquire():
+        time.sleep(0.2)
+    try:
+        merged = dict(data["methods"])
+        if path.is_file():
+            earlier = json.loads(path.read_text())
+            if earlier.get(same) == data[same]:
+                merged = {**earlier.get("methods", {}), **merged}
+        order = [m for m in METHODS if m in merged] + sorted(set(merged) - set(METHODS))
+        data = {**data, "methods": {m: merged[m] for m in order}}
+        write_json(path, data)
+        if then is not None:
+            then(data)
+        return data
+    finally:
+        lock.release()
+
+
 @dataclass(frozen=True)
 class RunSpec:
     """One training run: a method's config at a training seed, for a CPU budget.
@@ -912,6 +939,8 @@ def reproduce_command(records: list[dict], out: Path) -> str:
     overrides = {tuple(r["signature"].get("overrides", ())) for r in records}
     if len(overrides) == 1:
         parts += [f"--set {item}" for item in next(iter(overrides))]
+    else:   # no one command reproduces these runs: say so rather than drop the overrides
+        parts.append("(the runs differ in their --set overrides: see each run's signature)")
     try:
         relative = out.resolve().relative_to(ROOT)
     except ValueError:
@@ -1046,20 +1075,7 @@ def calibrate(methods: list[Method], budget: float, iterations: int, out: Path,
         gc.collect()
     data = {"measured": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "budget": budget, "iterations_per_method": iterations,
             "torch_threads": _torch_threads(), "evaluation": evaluation_cost, "methods": results}
-    # Two invocations (one per core, --methods halves) merge their methods into one file.
-    path = out / "calibration.json"
-    lock = RunLock(path)
-    while not lock.acquire():
-        time.sleep(0.2)
-    try:
-        if path.is_file():
-            earlier = json.loads(path.read_text())
-            if earlier.get("budget") == budget:
-                data["methods"] = {**earlier.get("methods", {}), **results}
-        write_json(path, data)
-    finally:
-        lock.release()
-    return data
+    return merge_methods_json(out / "calibration.json", data, same="budget")
 
 
 # ----------------------------------------------------------------------------- config edits
@@ -1069,18 +1085,29 @@ def calibrate(methods: list[Method], budget: float, iterations: int, out: Path,
 
 
 def group_signal(values: Sequence[float], group_ids: Sequence[int]) -> dict:
-    """The learning signal in one batch of groups: ``no_signal`` = share of groups whose rewards
-    are all equal (zero advantage: nothing to learn from), ``within_std`` = mean over groups of
-    the rewards' population std, ``mean`` = mean reward."""
-    groups: dict[int, list[float]] = {}
-    for value, group in zip(values, group_ids):
-        groups.setdefault(int(group), []).append(float(value))
-    if not groups:
+    """The learning signal in one batch of groups, by the trainer's own group statistics
+    (``advantages.group_advantages``, NaN = no score): ``no_signal`` = share of groups that carry
+    none (all valid rewards equal, or fewer than 2: zero advantage), ``within_std`` = mean over
+    groups of the valid rewards' population std (0 for those), ``mean`` = mean valid reward."""
+    import torch
+
+    from flowgrpo.advantages import group_advantages
+
+    if len(values) == 0:
         raise ValueError("group_signal needs at least one reward")
-    flat = [v for members in groups.values() for v in members]
-    return {"no_signal": sum(max(m) == min(m) for m in groups.values()) / len(groups),
-            "within_std": sum(statistics.pstdev(m) for m in groups.values()) / len(groups),
-            "mean": sum(flat) / len(flat), "groups": len(groups)}
+    rewards = torch.tensor(values, dtype=torch.float64)
+    groups = torch.tensor(group_ids)
+    # scale "none", no clip: the advantages are the rewards minus their group's mean
+    centred, stats = group_advantages(rewards, groups, scale="none", clip=None)
+    valid = ~rewards.isnan()
+    spreads = []
+    for group in groups.unique():
+        members = (groups == group) & valid
+        silent = bool((centred[members] == 0).all())     # group_advantages zeroes silent groups
+        spreads.append(0.0 if silent else float(centred[members].double().pow(2).mean().sqrt()))
+    return {"no_signal": stats["zero_std_fraction"], "within_std": sum(spreads) / len(spreads),
+            "mean": float(rewards[valid].mean()) if bool(valid.any()) else float("nan"),
+            "groups": len(spreads)}
 
 
 def signal_probe(methods: list[Method], iterations: int, out: Path, extra: Sequence[str] = (),
@@ -1112,35 +1139,23 @@ def signal_probe(methods: list[Method], iterations: int, out: Path, extra: Seque
             f"{r['no_signal']:.2f}, within-group std {r['within_std']:.3f}")
         del trainer
         gc.collect()
-    # Two invocations (one per core, --methods halves) merge their methods into one file.
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "signal.json"
-    lock = RunLock(path)
-    while not lock.acquire():
-        time.sleep(0.2)
-    try:
-        merged = dict(results)
-        if path.is_file():
-            earlier = json.loads(path.read_text())
-            if earlier.get("iterations") == iterations:
-                merged = {**earlier.get("methods", {}), **results}
-        merged = {m: merged[m] for m in METHODS if m in merged}
-        write_json(path, {"measured": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-                          "iterations": iterations, "methods": merged})
+    def write_table(data: dict) -> None:
         lines = [f"Reward signal of each method's rollouts from the untrained base, "
                  f"{time.strftime('%Y-%m-%d')}: {iterations} iterations at training seed 0 (the "
                  f"same prompts for every method), no update; exact reward. No signal = share of "
                  f"groups whose rewards are all equal.", "",
                  "| method | SDE | noise | shared initial noise | plan | groups | rollout reward | "
                  "no signal | within-group std |", "|---|---|---:|:---:|---|---:|---:|---:|---:|"]
-        for r in merged.values():
+        for r in data["methods"].values():
             lines.append(f"| {r['label']} | {r['kind']} | {r['noise_level']:g} | "
                          f"{'yes' if r['shared_initial_noise'] else 'no'} | {r['plan']} | "
                          f"{r['groups']} | {r['mean']:.3f} | {r['no_signal']:.2f} | "
                          f"{r['within_std']:.3f} |")
         (out / "signal.md").write_text("\n".join(lines) + "\n")
-    finally:
-        lock.release()
+
+    merge_methods_json(out / "signal.json", {"measured": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+                                             "iterations": iterations, "methods": results},
+                       same="iterations", then=write_table)
     return results
 
 

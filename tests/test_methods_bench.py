@@ -353,9 +353,13 @@ def test_table_command_is_read_from_its_runs(bench, tmp_path):
     records = [_record("flow_grpo", 2, [0.4] * 3), _record("default", 0, [0.4] * 3),
                _record("default", 1, [0.4] * 3)]
     records[0]["signature"]["overrides"] = ["training.lr=2e-4"]
+    plain = bench.reproduce_command(records[1:], bench.ROOT / bench.DEFAULT_OUT)
+    assert plain == ("python benchmarks/methods.py --seeds 0,1 --budget 300 "
+                     "--eval-interval 100 --methods default")
     mixed = bench.reproduce_command(records, bench.ROOT / bench.DEFAULT_OUT)
     assert mixed == ("python benchmarks/methods.py --seeds 0,1,2 --budget 300 "
-                     "--eval-interval 100 --methods default,flow_grpo")
+                     "--eval-interval 100 --methods default,flow_grpo (the runs differ in their "
+                     "--set overrides: see each run's signature)")
     for record in records:
         record["signature"]["overrides"] = ["training.lr=2e-4"]
     other = bench.reproduce_command(records, bench.ROOT / "benchmarks/results/methods/lr2e-4")
@@ -377,6 +381,35 @@ def test_group_signal_counts_groups_without_reward_variance(bench):
     assert bench.group_signal([values[i] for i in order], [groups[i] for i in order]) == signal
     with pytest.raises(ValueError, match="at least one"):
         bench.group_signal([], [])
+    # NaN = no score, as in training: a group with one valid reward carries no signal, and a
+    # NaN leaves the others' std and the mean to the valid rewards
+    nan = float("nan")
+    masked = bench.group_signal([1, nan, nan, nan, 0, 1, nan, 1], [0] * 4 + [1] * 4)
+    assert masked["no_signal"] == pytest.approx(1 / 2)
+    assert masked["within_std"] == pytest.approx((0 + 2 ** 0.5 / 3) / 2)    # pstdev(0, 1, 1)
+    assert masked["mean"] == pytest.approx(3 / 4)
+
+
+def test_two_invocations_merge_their_methods_into_one_file(bench, tmp_path):
+    path = tmp_path / "signal.json"
+    first = bench.merge_methods_json(path, {"iterations": 8, "methods": {"flash_grpo": 1}},
+                                     same="iterations")
+    second = bench.merge_methods_json(path, {"iterations": 8, "methods": {"default": 2}},
+                                      same="iterations")
+    assert first["methods"] == {"flash_grpo": 1}
+    assert second["methods"] == {"default": 2, "flash_grpo": 1}          # METHODS order
+    assert list(json.loads(path.read_text())["methods"]) == ["default", "flash_grpo"]
+    # a rerun replaces its own method; other settings replace the file
+    assert bench.merge_methods_json(path, {"iterations": 8, "methods": {"default": 3}},
+                                    same="iterations")["methods"] == {"default": 3, "flash_grpo": 1}
+    assert bench.merge_methods_json(path, {"iterations": 4, "methods": {"mix_grpo": 4}},
+                                    same="iterations")["methods"] == {"mix_grpo": 4}
+    assert not path.with_suffix(".lock").exists()
+    seen = []
+    bench.merge_methods_json(path, {"iterations": 4, "methods": {"default": 5}}, same="iterations",
+                             then=lambda data: seen.append((path.with_suffix(".lock").exists(),
+                                                            data["methods"])))
+    assert seen == [(True, {"default": 5, "mix_grpo": 4})]      # under the lock, merged
 
 
 def test_claims_are_ratios_against_their_baselines(bench):
