@@ -38,7 +38,9 @@ from reward_models.toy_edit import ToyEditReward  # noqa: E402
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--base", default="assets/toy", help="the text-to-image toy model to start from")
+    p.add_argument("--base", default="assets/toy",
+                   help="the model to start from: a text-to-image toy model (made an editing model "
+                        "first) or an editing model, whose training this continues")
     p.add_argument("--out", required=True, help="folder the editing model is saved to")
     p.add_argument("--minutes", type=float, required=True, help="wall-clock budget of training")
     p.add_argument("--max-steps", type=int, default=None, help="stop (and schedule the lr) by steps")
@@ -107,7 +109,9 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(args.seed)
     rng = random.Random(args.seed)
     began = time.time()
-    model = to_editing_model(ToyFlowModel.from_pretrained(args.base))
+    model = ToyFlowModel.from_pretrained(args.base)
+    if not model.supports_images:
+        model = to_editing_model(model)
     print("held-out before:", heldout_accuracy(model, args.eval_seed), flush=True)
     sources = [i["metadata"] for i in prompt_split("train") if i["metadata"]["family"] in EDIT_FAMILIES]
     params = list(model.transformer.parameters()) + list(model.text_encoder.parameters())
@@ -138,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
-        losses.append(float(loss))
+        losses.append(loss.item())
         step += 1
         if step % 100 == 0:
             print(f"step {step} loss {np.mean(losses[-100:]):.4f} lr {lr:.2e} "

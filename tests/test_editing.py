@@ -214,6 +214,28 @@ def test_training_comparison_grid_starts_with_the_source_column(edit_dir, tmp_pa
         assert torch.equal(seen["images"][row, 0], record["image"])
 
 
+def test_pretraining_continues_an_editing_model(edit_dir, tmp_path):
+    """scripts/pretrain_toy_edit.py --base <an editing model> trains that model further: the saved
+    model keeps its 6 input channels and its vocabulary (made an editing model once, not twice),
+    and its weights moved from the start."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("pretrain_toy_edit",
+                                                  ROOT / "scripts" / "pretrain_toy_edit.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "continued"
+    script.main(["--base", edit_dir, "--out", str(out), "--minutes", "5", "--max-steps", "3",
+                 "--batch-size", "4", "--warmup-steps", "1"])
+    start, continued = ToyFlowModel.from_pretrained(edit_dir), ToyFlowModel.from_pretrained(str(out))
+    assert continued.transformer.config.in_channels == 6 and continued.supports_images
+    assert continued.tokenizer.get_vocab() == start.tokenizer.get_vocab()
+    before = start.transformer.pos_embed.proj.weight
+    after = continued.transformer.pos_embed.proj.weight
+    assert after.shape == before.shape and not torch.equal(after, before)
+    assert continued.defaults.extra["steps"] == 3
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not (ROOT / "assets" / "toy_edit" / "transformer").is_dir(),
                     reason="assets/toy_edit is not built")
