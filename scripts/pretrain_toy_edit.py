@@ -110,6 +110,8 @@ def main(argv: list[str] | None = None) -> None:
     rng = random.Random(args.seed)
     began = time.time()
     model = ToyFlowModel.from_pretrained(args.base)
+    # an editing model's own provenance is kept under "continued_from" of the new one
+    earlier = dict(model.defaults.extra or {}) if model.supports_images else None
     if not model.supports_images:
         model = to_editing_model(model)
     print("held-out before:", heldout_accuracy(model, args.eval_seed), flush=True)
@@ -156,6 +158,8 @@ def main(argv: list[str] | None = None) -> None:
                             "train_minutes": round((time.time() - train_began) / 60, 2),
                             "wall_minutes": round((time.time() - began) / 60, 2),
                             "heldout_edit_accuracy": accuracy}
+    if earlier is not None:
+        model.defaults.extra["continued_from"] = earlier
     model.save_pretrained(args.out)
     print(json.dumps(model.defaults.extra, indent=2))
 
