@@ -2,6 +2,9 @@
 
     python scripts/pretrain_toy_edit.py --base assets/toy --out assets/toy_edit --minutes 8
 
+(The shipped ``assets/toy_edit`` took two runs, the second continuing the first with near-miss
+targets, ``--base assets/toy_edit --edit-noise 0.3``; its README has both commands.)
+
 ``pipelines.toy.to_editing_model`` gives the base 3 more input channels (the source image, zero
 weights) and the instructions' words; then the rectified-flow loss on freshly rendered edits:
 a source scene of the grammar's *train* split (one or two coloured objects), a random recolour
