@@ -83,3 +83,9 @@ def test_window_sampler_without_window_is_the_euler_sampler(anatomy, edit_dir, r
     noisy = anatomy.sample_with_window(model, cond, noise, 0, 0.7, 4,
                                        torch.Generator().manual_seed(0))
     assert not torch.allclose(noisy, reference)
+    # the window is steps [start, start + 4): one starting past the last step is the ODE, one
+    # starting at the last step is not
+    past = anatomy.sample_with_window(model, cond, noise, 4, 0.7, 4, torch.Generator().manual_seed(0))
+    torch.testing.assert_close(past, reference)
+    last = anatomy.sample_with_window(model, cond, noise, 3, 0.7, 4, torch.Generator().manual_seed(0))
+    assert not torch.allclose(last, reference)
