@@ -33,6 +33,7 @@ DT_REWEIGHT_NORMS = ("iteration", "batch_mean")
 LOSS_SCALES = ("none", "std_over_sqrt_dt")
 MIXED_PRECISIONS = ("no", "fp16", "bf16")
 LOCALITY_MASKS = ("off", "record", "difference")
+LOCALITY_WEIGHTINGS = ("share", "equal")
 TRACKERS = ("tensorboard", "wandb", "none")
 SELECT_BEST_MODES = ("max", "min", "auto")
 # The values of the choice fields, by dotted name: what ``validate`` accepts and what
@@ -49,7 +50,8 @@ FIELD_CHOICES: dict[str, tuple[str, ...]] = {
     "training.adv_scale": tuple(SCALES), "training.dt_reweight_norm": DT_REWEIGHT_NORMS,
     "training.loss_scale": LOSS_SCALES, "training.mixed_precision": MIXED_PRECISIONS,
     "training.ema.warmup": EMA_WARMUPS, "training.locality.mask": LOCALITY_MASKS,
-    "training.locality.resize": REGION_RESIZES, "rewards.aggregation": REWARD_AGGREGATIONS,
+    "training.locality.resize": REGION_RESIZES,
+    "training.locality.weighting": LOCALITY_WEIGHTINGS, "rewards.aggregation": REWARD_AGGREGATIONS,
     "llm.aggregation": tuple(TOKEN_AGGREGATIONS), "llm.level": tuple(TOKEN_LEVELS),
     "run.tracker": TRACKERS, "run.select_best_mode": SELECT_BEST_MODES,
 }
@@ -377,6 +379,12 @@ class LocalityConfig:
         "(each latent cell weighted by the share of its pixels in the region) or 'nearest' "
         "(the cell's centre pixel decides). The toy model's latents are its pixels (identity).",
         default="area")
+    weighting: str = _help(
+        "How the two regions' surrogates are weighed in a sample's loss: 'share' (each by its "
+        "share of the latent elements, so the split is exactly the step's log-prob: a small edit "
+        "region carries a small weight) or 'equal' (each non-empty region 1/2 whatever its area, "
+        "so the edit signal of a small object is not outweighed by the preservation signal of "
+        "the rest; losses.equal_region_shares).", default="share")
 
     @property
     def enabled(self) -> bool:
@@ -387,6 +395,7 @@ class LocalityConfig:
         aggregation, reward keys) is a cross-section rule."""
         choice(self.mask, LOCALITY_MASKS, "training.locality.mask")
         choice(self.resize, REGION_RESIZES, "training.locality.resize")
+        choice(self.weighting, LOCALITY_WEIGHTINGS, "training.locality.weighting")
         in_range(self.difference_threshold, 0.0, 1.0, "training.locality.difference_threshold",
                  low_open=True, high_open=True, meaning=" (images are in [0, 1])")
         if not self.enabled:
