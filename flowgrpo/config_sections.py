@@ -33,7 +33,6 @@ DT_REWEIGHT_NORMS = ("iteration", "batch_mean")
 LOSS_SCALES = ("none", "std_over_sqrt_dt")
 MIXED_PRECISIONS = ("no", "fp16", "bf16")
 LOCALITY_MASKS = ("off", "record", "difference")
-LOCALITY_WEIGHTINGS = ("share", "equal")
 TRACKERS = ("tensorboard", "wandb", "none")
 SELECT_BEST_MODES = ("max", "min", "auto")
 # The values of the choice fields, by dotted name: what ``validate`` accepts and what
@@ -50,8 +49,7 @@ FIELD_CHOICES: dict[str, tuple[str, ...]] = {
     "training.adv_scale": tuple(SCALES), "training.dt_reweight_norm": DT_REWEIGHT_NORMS,
     "training.loss_scale": LOSS_SCALES, "training.mixed_precision": MIXED_PRECISIONS,
     "training.ema.warmup": EMA_WARMUPS, "training.locality.mask": LOCALITY_MASKS,
-    "training.locality.resize": REGION_RESIZES,
-    "training.locality.weighting": LOCALITY_WEIGHTINGS, "rewards.aggregation": REWARD_AGGREGATIONS,
+    "training.locality.resize": REGION_RESIZES, "rewards.aggregation": REWARD_AGGREGATIONS,
     "llm.aggregation": tuple(TOKEN_AGGREGATIONS), "llm.level": tuple(TOKEN_LEVELS),
     "run.tracker": TRACKERS, "run.select_best_mode": SELECT_BEST_MODES,
 }
@@ -379,12 +377,13 @@ class LocalityConfig:
         "(each latent cell weighted by the share of its pixels in the region) or 'nearest' "
         "(the cell's centre pixel decides). The toy model's latents are its pixels (identity).",
         default="area")
-    weighting: str = _help(
-        "How the two regions' surrogates are weighed in a sample's loss: 'share' (each by its "
-        "share of the latent elements, so the split is exactly the step's log-prob: a small edit "
-        "region carries a small weight) or 'equal' (each non-empty region 1/2 whatever its area, "
-        "so the edit signal of a small object is not outweighed by the preservation signal of "
-        "the rest; losses.equal_region_shares).", default="share")
+    edit_weight: float | None = _help(
+        "How the two regions' surrogates are weighed in a sample's loss: None (each by its share "
+        "of the latent elements, so the split is exactly the step's log-prob, and a small edit "
+        "region carries a small weight) or a number in (0, 1): in a sample with both regions the "
+        "edit region weighs edit_weight and the rest 1 - edit_weight whatever their areas, so a "
+        "small object's edit signal is not outweighed by the rest's preservation signal "
+        "(losses.fixed_region_shares).", default=None)
 
     @property
     def enabled(self) -> bool:
@@ -395,7 +394,10 @@ class LocalityConfig:
         aggregation, reward keys) is a cross-section rule."""
         choice(self.mask, LOCALITY_MASKS, "training.locality.mask")
         choice(self.resize, REGION_RESIZES, "training.locality.resize")
-        choice(self.weighting, LOCALITY_WEIGHTINGS, "training.locality.weighting")
+        if self.edit_weight is not None:
+            in_range(self.edit_weight, 0.0, 1.0, "training.locality.edit_weight",
+                     low_open=True, high_open=True,
+                     meaning=" (the edit region's weight; None = its area share)")
         in_range(self.difference_threshold, 0.0, 1.0, "training.locality.difference_threshold",
                  low_open=True, high_open=True, meaning=" (images are in [0, 1])")
         if not self.enabled:

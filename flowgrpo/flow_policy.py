@@ -24,7 +24,7 @@ from flowgrpo.flow_batches import accumulation_steps, ema_updates_per_step, roll
 from flowgrpo.flow_evaluation import FlowEvaluation
 from flowgrpo.guards import check_gate_keys, check_guard_keys, loaded_reward_keys
 from flowgrpo.heldout import load_eval_rewards
-from flowgrpo.losses import (batch_mean_dt_weights, check_weights, equal_region_shares, flow_kl,
+from flowgrpo.losses import (batch_mean_dt_weights, check_weights, fixed_region_shares, flow_kl,
                              gated_kl, guard_log_ratio, guard_step_weights, policy_loss,
                              rectification_weights, region_policy_loss, std_over_sqrt_dt_weights,
                              surrogate_stats, velocity_anchor)
@@ -486,8 +486,8 @@ class FlowPolicy(FlowEvaluation):
         mask = masks.index_select(0, replay.rows.to(masks.device)).to(mean.device)
         next_latents = replay.next_latents.to(mean.device)
         logp, shares = region_log_probs(next_latents - mean, replay.gaussian, mask)
-        if t.locality.weighting == "equal":
-            shares = equal_region_shares(shares)
+        if t.locality.edit_weight is not None:
+            shares = fixed_region_shares(shares, t.locality.edit_weight)
         with torch.no_grad():
             logp_old, _ = region_log_probs(next_latents - replay.mean_old.to(mean.device),
                                            replay.gaussian, mask)

@@ -13,7 +13,7 @@ Flow transitions
     ``batch_mean_dt_weights``  GRPO-Guard's released 1/mean_b(sqrt D)^2 loss scale
     ``std_over_sqrt_dt_weights``  Flow-GRPO's Wan loss scale mean_b(s) / mean_b(sqrt D)
     ``region_policy_loss``     the same per region of the latents (Edit-GRPO's locality)
-    ``equal_region_shares``    its region weights with every non-empty region alike
+    ``fixed_region_shares``    its region weights at a fixed edit / rest ratio
     ``rectification_weights``  Flash-GRPO temporal rectification kappa
     ``flow_kl``                KL to the reference policy per dim
     ``gated_kl``               the KL's mean over the rows a gate lets in (GARDO)
@@ -210,22 +210,26 @@ def region_policy_loss(logp: Tensor, logp_old: Tensor, advantages: Tensor, share
                                    clip_high)
 
 
-def equal_region_shares(shares: Tensor) -> Tensor:
-    """Region weights for ``region_policy_loss`` that weigh every non-empty region alike
-    (``training.locality.weighting: equal``), in place of the area shares.
+def fixed_region_shares(shares: Tensor, edit_weight: float) -> Tensor:
+    """Region weights for ``region_policy_loss`` that do not follow the regions' areas
+    (``training.locality.edit_weight``), in place of the area shares.
 
-    shares: (B, K) >= 0, the area shares of ``sde.region_log_probs``. Returns (B, K): 1 / (the
-    row's number of parts with share > 0) on those parts, 0 on empty ones, so each row still sums
-    to 1 and a mask of ones (shares (1, 0)) is still the scalar loss. With two non-empty parts the
-    edit region's mean log-density weighs 1/2 whatever its area: per element the edit advantage
-    acts with 1 / (2 |edit region|) instead of the area weighting's 1 / n, so a small edit region's
-    signal is not outweighed by the preservation signal of the rest of the image (with Adam only
-    this ratio matters, not the loss's overall scale).
+    shares: (B, 2) >= 0, the area shares of ``sde.region_log_probs`` (column 0 the edit region).
+    Returns (B, 2): ``(edit_weight, 1 - edit_weight)`` on rows with both regions, and the area
+    shares' (1, 0) or (0, 1) on rows with one (so a mask of ones or zeros is still the scalar
+    loss). Per element the edit advantage then acts with ``edit_weight / |edit region|`` instead
+    of the area weighting's 1 / n: an object of 5% of the image gets 5% of a row's weight under
+    the area shares, and 0.5 / 0.05 = 10x that per element with edit_weight 0.5. With Adam only
+    the ratio of the two regions' signals matters, not the loss's overall scale.
     """
-    if shares.dim() != 2:
-        raise ValueError(f"shares must have shape (B, K) (got {tuple(shares.shape)})")
-    present = (shares > 0).to(shares.dtype)
-    return present / present.sum(dim=1, keepdim=True).clamp(min=1.0)
+    if shares.dim() != 2 or shares.shape[1] != 2:
+        raise ValueError(f"shares must have shape (B, 2) (got {tuple(shares.shape)})")
+    if not 0.0 < edit_weight < 1.0:
+        raise ValueError(f"edit_weight must be in (0, 1) (got {edit_weight})")
+    both = (shares > 0).all(dim=1, keepdim=True)
+    fixed = torch.tensor([edit_weight, 1.0 - edit_weight], dtype=shares.dtype,
+                         device=shares.device).expand_as(shares)
+    return torch.where(both, fixed, (shares > 0).to(shares.dtype))
 
 
 def _data(tensor: Tensor, dtype: torch.dtype, keep_grad: bool = False) -> Tensor:

@@ -15,7 +15,7 @@ from PIL import Image
 from flowgrpo.advantages import group_advantages, region_advantages
 from flowgrpo.config import ConfigError
 from flowgrpo.edit_regions import difference_mask, downsample_mask
-from flowgrpo.losses import equal_region_shares, policy_loss, region_policy_loss
+from flowgrpo.losses import fixed_region_shares, policy_loss, region_policy_loss
 from flowgrpo.prompts import load_prompts
 from flowgrpo.sde import region_log_probs, score_step, transition
 from flowgrpo.toyworld.editing import render_pair
@@ -137,11 +137,13 @@ def test_each_element_is_pushed_by_its_own_regions_advantage():
         assert bool((grad[~where.expand(SHAPE)] != 0).any())
 
 
-def test_equal_weighting_pushes_each_region_by_its_advantage_over_its_own_area():
-    """training.locality.weighting: equal. On the first pass the gradient w.r.t. the step mean is
-    -A_region(d) (x'_d - mean_d) / (std^2 * 2 |region(d)|) / rows per element, so a region of a
-    few elements gets its advantage at full strength; a row whose mask is all ones or all zeros
-    keeps the area weighting's (one region, weight 1), i.e. the scalar loss."""
+@pytest.mark.parametrize("edit_weight", [0.5, 0.2])
+def test_fixed_edit_weight_pushes_each_region_by_its_advantage_over_its_own_area(edit_weight):
+    """training.locality.edit_weight = w. On the first pass the gradient w.r.t. the step mean is
+    -A_region(d) (x'_d - mean_d) w_region(d) / (std^2 |region(d)|) / rows per element (w_edit = w,
+    w_rest = 1 - w), so a region of a few elements gets its advantage at full strength; a row
+    whose mask is all ones or all zeros keeps the area weighting's (one region, weight 1), i.e.
+    the scalar loss."""
     x, v_old, _, out = step(7)
     mask = random_mask(8)
     mask[0] = 1.0      # all edit region
@@ -151,28 +153,32 @@ def test_equal_weighting_pushes_each_region_by_its_advantage_over_its_own_area()
     mean = out.mean.clone().requires_grad_(True)
     logp, shares = region_log_probs(out.prev_sample - mean, out.gaussian, mask)
     logp_old, _ = region_log_probs(out.prev_sample - out.mean, out.gaussian, mask)
-    weights = equal_region_shares(shares)
+    weights = fixed_region_shares(shares, edit_weight)
     torch.testing.assert_close(weights[:2], torch.tensor([[1.0, 0.0], [0.0, 1.0]]))
-    torch.testing.assert_close(weights[2:], torch.full((SHAPE[0] - 2, 2), 0.5))
+    torch.testing.assert_close(weights[2:], torch.tensor([[edit_weight, 1 - edit_weight]] * 4))
     loss = region_policy_loss(logp, logp_old, torch.stack([edit, keep], 1), weights, CLIP, CLIP)
     (grad,) = torch.autograd.grad(loss, mean)
     inside = mask.expand(SHAPE) > 0
     region_size = torch.where(inside, inside.sum(dim=(1, 2, 3), keepdim=True),
-                              (~inside).sum(dim=(1, 2, 3), keepdim=True)).double()
-    parts = torch.tensor([1.0, 1.0, 2.0, 2.0, 2.0, 2.0], dtype=torch.float64)[:, None, None, None]
+                              (~inside).sum(dim=(1, 2, 3), keepdim=True)).float()
+    region_weight = torch.where(inside, weights[:, 0, None, None, None],
+                                weights[:, 1, None, None, None])
     per_element = torch.where(inside, edit[:, None, None, None], keep[:, None, None, None])
     std = out.std[:, None, None, None]
-    expected = (-per_element * (out.prev_sample - out.mean) / (std ** 2)
-                / (parts * region_size).float() / SHAPE[0])
+    expected = (-per_element * (out.prev_sample - out.mean) * region_weight
+                / (std ** 2 * region_size) / SHAPE[0])
     torch.testing.assert_close(grad, expected, rtol=1e-4, atol=1e-10)
-    # Against the area weighting, a region's per-element push grows by n / (2 |region|).
+    # Against the area weighting, the edit region's per-element push grows by w n / |region|.
     numel = float(np.prod(SHAPE[1:]))
     area_grad = -per_element * (out.prev_sample - out.mean) / (std ** 2 * numel) / SHAPE[0]
-    ratio = grad[2:][inside[2:]] / area_grad[2:][inside[2:]]
-    expected_ratio = (numel / (2 * region_size[2:][inside[2:]])).float()
-    torch.testing.assert_close(ratio, expected_ratio, rtol=1e-3, atol=1e-6)
-    with pytest.raises(ValueError, match=r"\(B, K\)"):
-        equal_region_shares(torch.ones(3))
+    rows = slice(2, None)
+    ratio = grad[rows][inside[rows]] / area_grad[rows][inside[rows]]
+    torch.testing.assert_close(ratio, edit_weight * numel / region_size[rows][inside[rows]],
+                               rtol=1e-3, atol=1e-6)
+    with pytest.raises(ValueError, match=r"\(B, 2\)"):
+        fixed_region_shares(torch.ones(3), edit_weight)
+    with pytest.raises(ValueError, match="edit_weight must be in"):
+        fixed_region_shares(shares, 1.0)
 
 
 def test_region_advantages_are_each_rewards_group_normalisation():
@@ -272,7 +278,7 @@ def locality_config(path: str, tmp_path: Path, *overrides: str):
     (["training.locality.keep_key=toy_edit.target"], "are both"),
     (["training.locality.mask=everywhere"], "training.locality.mask must be one of"),
     (["training.locality.resize=bilinear"], "training.locality.resize must be one of"),
-    (["training.locality.weighting=area"], "training.locality.weighting must be one of"),
+    (["training.locality.edit_weight=1.5"], "training.locality.edit_weight must be in"),
     (["training.locality.difference_threshold=1.5"], "difference_threshold must be in"),
     (["rewards.aggregation=decoupled"], "rewards.aggregation: decoupled"),
     (["training.ratio_norm=true"], "training.ratio_norm"),
@@ -288,15 +294,16 @@ def test_locality_keys_must_be_reward_outputs(tmp_path):
         locality_config("assets/toy_edit", tmp_path, "training.locality.edit_key=target")
 
 
-@pytest.mark.parametrize("mask, weighting", [("record", "share"), ("difference", "equal")])
-def test_an_editing_iteration_with_locality(mask, weighting, edit_dir, tmp_path):
+@pytest.mark.parametrize("mask, edit_weight", [("record", "null"), ("difference", "0.3")])
+def test_an_editing_iteration_with_locality(mask, edit_weight, edit_dir, tmp_path):
     """A whole iteration: region masks on the batch, two advantages per sample, the region loss
     on replay (first-pass ratio exactly 1 in both regions), and the weights move."""
     from flowgrpo.trainer import Trainer
 
     trainer = Trainer(locality_config(edit_dir, tmp_path, f"training.locality.mask={mask}",
-                                      f"training.locality.weighting={weighting}"))
-    assert trainer.config.training.locality.weighting == weighting
+                                      f"training.locality.edit_weight={edit_weight}"))
+    assert trainer.config.training.locality.edit_weight == (None if edit_weight == "null"
+                                                            else 0.3)
     before = {k: v.detach().clone() for k, v in trainer.policy.trainable.items()}
     batch, rewards, _ = trainer.policy.rollout(*trainer.local_batch(0), 0)
     assert batch.region_masks.shape == (8, 1, 24, 24)
