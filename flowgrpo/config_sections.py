@@ -401,6 +401,10 @@ class LocalityConfig:
         in_range(self.difference_threshold, 0.0, 1.0, "training.locality.difference_threshold",
                  low_open=True, high_open=True, meaning=" (images are in [0, 1])")
         if not self.enabled:
+            if self.edit_weight is not None:
+                raise ConfigError("training.locality.edit_weight is set but training.locality.mask "
+                                  "is 'off', so there are no regions to weigh: set mask to "
+                                  "'record' or 'difference', or remove edit_weight")
             return
         for name in ("edit_key", "keep_key"):
             if not getattr(self, name):

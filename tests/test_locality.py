@@ -289,6 +289,14 @@ def test_locality_config_errors_name_the_field(overrides, message, tmp_path):
         locality_config("assets/toy_edit", tmp_path, *overrides)
 
 
+def test_an_edit_weight_without_regions_is_refused():
+    from flowgrpo.config_sections import LocalityConfig
+
+    with pytest.raises(ConfigError, match="edit_weight is set but training.locality.mask is 'off'"):
+        LocalityConfig(mask="off", edit_weight=0.3).validate()
+    LocalityConfig(mask="off").validate()
+
+
 def test_locality_keys_must_be_reward_outputs(tmp_path):
     with pytest.raises(ConfigError, match="training.locality.edit_key: 'target' names no reward"):
         locality_config("assets/toy_edit", tmp_path, "training.locality.edit_key=target")

@@ -638,3 +638,27 @@ def test_quick_benchmark_end_to_end_writes_table_json_and_plot(bench, tmp_path):
     assert probe == signal["flash_grpo"] and probe["groups"] == 2
     assert 0 <= probe["no_signal"] <= 1 and probe["within_std"] <= 0.5 + 1e-9
     assert "| Flash-GRPO | flash_sde |" in (tmp_path / "signal.md").read_text()
+
+
+def test_committed_results_are_what_their_command_reproduces(bench):
+    """Every finished run under benchmarks/results/methods carries the signature its own command
+    computes today (the config file with its --set overrides, digested), so rerunning the
+    commands in benchmarks/README.md reuses it instead of refusing it as "measured with other
+    settings". Adding a config field or editing a shipped value breaks this unless the field is
+    listed in FIELDS_ADDED_SINCE_RESULTS or the old runs are re-expressed."""
+    records = sorted((ROOT / "benchmarks" / "results" / "methods").glob("**/runs/*.json"))
+    assert len(records) >= 60
+    stale = []
+    for path in records:
+        record = json.loads(path.read_text())
+        if not record.get("finished"):
+            continue
+        signature = record["signature"]
+        spec = bench.RunSpec(signature["method"], signature["seed"], record["key"],
+                             signature["budget"], signature["eval_interval"],
+                             signature["eval_seed"], tuple(signature["overrides"]),
+                             signature["max_iterations"])
+        if spec.signature() != signature:
+            stale.append(str(path.relative_to(ROOT)))
+    assert not stale, f"results that their command would refuse: {stale}"
+
