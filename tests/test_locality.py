@@ -303,10 +303,21 @@ def test_locality_keys_must_be_reward_outputs(tmp_path):
 
 
 @pytest.mark.parametrize("mask, edit_weight", [("record", "null"), ("difference", "0.3")])
-def test_an_editing_iteration_with_locality(mask, edit_weight, edit_dir, tmp_path):
+def test_an_editing_iteration_with_locality(mask, edit_weight, edit_dir, tmp_path, monkeypatch):
     """A whole iteration: region masks on the batch, two advantages per sample, the region loss
-    on replay (first-pass ratio exactly 1 in both regions), and the weights move."""
+    on replay (first-pass ratio exactly 1 in both regions, weighed by edit_weight when set), and
+    the weights move."""
+    import flowgrpo.flow_policy as flow_policy
     from flowgrpo.trainer import Trainer
+
+    weighted = []
+    original = flow_policy.fixed_region_shares
+
+    def recording(shares, weight):
+        weighted.append(weight)
+        return original(shares, weight)
+
+    monkeypatch.setattr(flow_policy, "fixed_region_shares", recording)
 
     trainer = Trainer(locality_config(edit_dir, tmp_path, f"training.locality.mask={mask}",
                                       f"training.locality.edit_weight={edit_weight}"))
@@ -325,6 +336,9 @@ def test_an_editing_iteration_with_locality(mask, edit_weight, edit_dir, tmp_pat
     assert metrics["train/first_pass_ratio_max_dev"] == 0.0
     if metrics["train/replay_batches"] > 0:
         assert any(not torch.equal(before[k], v) for k, v in trainer.policy.trainable.items())
+        # the replay loss uses the fixed weights exactly when edit_weight is set
+        assert weighted == ([] if edit_weight == "null" else [0.3] * len(weighted)) and \
+            (edit_weight == "null" or len(weighted) > 0)
 
 
 def test_record_masks_are_required_at_start(edit_dir, tmp_path):
