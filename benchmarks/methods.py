@@ -68,6 +68,7 @@ TARGET_DELTA = 0.10            # "CPU seconds to +10 points"
 # a field does not invalidate every finished run (a run that sets it differs, as it should).
 FIELDS_ADDED_SINCE_RESULTS: dict[tuple[str, ...], object] = {
     ("training", "locality", "edit_weight"): None,
+    ("training", "locality", "silent_share"): "keep",
 }
 TABLE_EVAL_SEED = 0            # the default config's own evaluation noise (run.seed 0)
 TUNE_EVAL_SEED = 1             # tuning is scored on other noise than the table

@@ -33,6 +33,7 @@ DT_REWEIGHT_NORMS = ("iteration", "batch_mean")
 LOSS_SCALES = ("none", "std_over_sqrt_dt")
 MIXED_PRECISIONS = ("no", "fp16", "bf16")
 LOCALITY_MASKS = ("off", "record", "difference")
+SILENT_SHARES = ("keep", "reassign")
 TRACKERS = ("tensorboard", "wandb", "none")
 SELECT_BEST_MODES = ("max", "min", "auto")
 # The values of the choice fields, by dotted name: what ``validate`` accepts and what
@@ -49,7 +50,8 @@ FIELD_CHOICES: dict[str, tuple[str, ...]] = {
     "training.adv_scale": tuple(SCALES), "training.dt_reweight_norm": DT_REWEIGHT_NORMS,
     "training.loss_scale": LOSS_SCALES, "training.mixed_precision": MIXED_PRECISIONS,
     "training.ema.warmup": EMA_WARMUPS, "training.locality.mask": LOCALITY_MASKS,
-    "training.locality.resize": REGION_RESIZES, "rewards.aggregation": REWARD_AGGREGATIONS,
+    "training.locality.resize": REGION_RESIZES,
+    "training.locality.silent_share": SILENT_SHARES, "rewards.aggregation": REWARD_AGGREGATIONS,
     "llm.aggregation": tuple(TOKEN_AGGREGATIONS), "llm.level": tuple(TOKEN_LEVELS),
     "run.tracker": TRACKERS, "run.select_best_mode": SELECT_BEST_MODES,
 }
@@ -384,6 +386,12 @@ class LocalityConfig:
         "edit region weighs edit_weight and the rest 1 - edit_weight whatever their areas, so a "
         "small object's edit signal is not outweighed by the rest's preservation signal "
         "(losses.fixed_region_shares).", default=None)
+    silent_share: str = _help(
+        "What a region whose advantage is 0 in a sample (its reward equal across the group: on a "
+        "one-object toy edit nothing else can be disturbed, so 'kept' never varies) does with its "
+        "weight: 'keep' (it keeps its share and weighs nothing, so the other region keeps only "
+        "its own share) or 'reassign' (its share goes to the sample's regions with a non-zero "
+        "advantage; losses.signal_region_shares).", default="keep")
 
     @property
     def enabled(self) -> bool:
@@ -394,6 +402,7 @@ class LocalityConfig:
         aggregation, reward keys) is a cross-section rule."""
         choice(self.mask, LOCALITY_MASKS, "training.locality.mask")
         choice(self.resize, REGION_RESIZES, "training.locality.resize")
+        choice(self.silent_share, SILENT_SHARES, "training.locality.silent_share")
         if self.edit_weight is not None:
             in_range(self.edit_weight, 0.0, 1.0, "training.locality.edit_weight",
                      low_open=True, high_open=True,
@@ -405,6 +414,10 @@ class LocalityConfig:
                 raise ConfigError("training.locality.edit_weight is set but training.locality.mask "
                                   "is 'off', so there are no regions to weigh: set mask to "
                                   "'record' or 'difference', or remove edit_weight")
+            if self.silent_share != "keep":
+                raise ConfigError("training.locality.silent_share is 'reassign' but "
+                                  "training.locality.mask is 'off', so there are no regions: set "
+                                  "mask to 'record' or 'difference', or remove silent_share")
             return
         for name in ("edit_key", "keep_key"):
             if not getattr(self, name):

@@ -26,8 +26,8 @@ from flowgrpo.guards import check_gate_keys, check_guard_keys, loaded_reward_key
 from flowgrpo.heldout import load_eval_rewards
 from flowgrpo.losses import (batch_mean_dt_weights, check_weights, fixed_region_shares, flow_kl,
                              gated_kl, guard_log_ratio, guard_step_weights, policy_loss,
-                             rectification_weights, region_policy_loss, std_over_sqrt_dt_weights,
-                             surrogate_stats, velocity_anchor)
+                             rectification_weights, region_policy_loss, signal_region_shares,
+                             std_over_sqrt_dt_weights, surrogate_stats, velocity_anchor)
 from flowgrpo.plans import make_plan, sample_trained_steps
 from flowgrpo.policy import Through, float32_trainable, frozen_reference, swapped_attribute
 from flowgrpo.prompts import record_images, record_masks, reward_metadata
@@ -488,6 +488,8 @@ class FlowPolicy(FlowEvaluation):
         logp, shares = region_log_probs(next_latents - mean, replay.gaussian, mask)
         if t.locality.edit_weight is not None:
             shares = fixed_region_shares(shares, t.locality.edit_weight)
+        if t.locality.silent_share == "reassign":
+            shares = signal_region_shares(shares, adv)
         with torch.no_grad():
             logp_old, _ = region_log_probs(next_latents - replay.mean_old.to(mean.device),
                                            replay.gaussian, mask)

@@ -14,6 +14,7 @@ Flow transitions
     ``std_over_sqrt_dt_weights``  Flow-GRPO's Wan loss scale mean_b(s) / mean_b(sqrt D)
     ``region_policy_loss``     the same per region of the latents (Edit-GRPO's locality)
     ``fixed_region_shares``    its region weights at a fixed edit / rest ratio
+    ``signal_region_shares``   its region weights over the regions whose advantage is not 0
     ``rectification_weights``  Flash-GRPO temporal rectification kappa
     ``flow_kl``                KL to the reference policy per dim
     ``gated_kl``               the KL's mean over the rows a gate lets in (GARDO)
@@ -230,6 +231,29 @@ def fixed_region_shares(shares: Tensor, edit_weight: float) -> Tensor:
     fixed = torch.tensor([edit_weight, 1.0 - edit_weight], dtype=shares.dtype,
                          device=shares.device).expand_as(shares)
     return torch.where(both, fixed, (shares > 0).to(shares.dtype))
+
+
+def signal_region_shares(shares: Tensor, advantages: Tensor) -> Tensor:
+    """Region weights for ``region_policy_loss`` in which a region without signal gives its share
+    to the sample's other regions (``training.locality.silent_share: reassign``).
+
+    A part whose advantage is exactly 0 (its reward equal across the group, e.g. the
+    preservation score of an edit that never disturbs anything) contributes no gradient whatever
+    its share; with area shares it still takes its share of the row, so the row's other region is
+    pushed with only its own small area share. Here its share goes to the row's parts with a
+    non-zero advantage, in proportion to their shares: the row keeps the gradient direction and
+    loses nothing, the live parts weigh what the whole row would. Rows whose parts are all silent,
+    or have no live part with a share, keep ``shares`` (they contribute nothing either way).
+
+    shares: (B, K) >= 0, each row summing to 1 (area shares or ``fixed_region_shares``);
+    advantages: (B, K) per region. Returns (B, K), each row summing to 1.
+    """
+    if shares.dim() != 2 or advantages.shape != shares.shape:
+        raise ValueError(f"shares and advantages must both have shape (B, K) (got "
+                         f"{tuple(shares.shape)} and {tuple(advantages.shape)})")
+    live = shares * ((advantages != 0) & (shares > 0)).to(shares.dtype)
+    total = live.sum(dim=1, keepdim=True)
+    return torch.where(total > 0, live / total.clamp_min(torch.finfo(shares.dtype).tiny), shares)
 
 
 def _data(tensor: Tensor, dtype: torch.dtype, keep_grad: bool = False) -> Tensor:

@@ -15,7 +15,8 @@ from PIL import Image
 from flowgrpo.advantages import group_advantages, region_advantages
 from flowgrpo.config import ConfigError
 from flowgrpo.edit_regions import difference_mask, downsample_mask
-from flowgrpo.losses import fixed_region_shares, policy_loss, region_policy_loss
+from flowgrpo.losses import (fixed_region_shares, policy_loss, region_policy_loss,
+                             signal_region_shares)
 from flowgrpo.prompts import load_prompts
 from flowgrpo.sde import region_log_probs, score_step, transition
 from flowgrpo.toyworld.editing import render_pair
@@ -181,6 +182,54 @@ def test_fixed_edit_weight_pushes_each_region_by_its_advantage_over_its_own_area
         fixed_region_shares(shares, 1.0)
 
 
+@pytest.mark.parametrize("edit_weight", [None, 0.3])
+def test_a_silent_regions_share_goes_to_the_live_region(edit_weight):
+    """training.locality.silent_share = reassign. A row whose preservation advantage is 0 (its
+    kept score equal across the group) pushes its edit region as a whole row would: gradient
+    -A_edit (x' - mean) / (std^2 |edit region|) / B there and exactly 0 on the rest; a row with
+    a silent edit region pushes the rest over its own area; rows with both advantages non-zero
+    keep their weights (area shares or edit_weight's), and a row with both silent gives nothing."""
+    x, v_old, _, out = step(11)
+    mask = random_mask(9)
+    edit = torch.tensor([1.5, 0.0, -0.5, 2.0, 0.0, -1.0])
+    keep = torch.tensor([0.0, -1.0, 0.75, 0.0, 0.0, 1.25])
+    mean = out.mean.clone().requires_grad_(True)
+    logp, shares = region_log_probs(out.prev_sample - mean, out.gaussian, mask)
+    logp_old, _ = region_log_probs(out.prev_sample - out.mean, out.gaussian, mask)
+    base = shares if edit_weight is None else fixed_region_shares(shares, edit_weight)
+    advantages = torch.stack([edit, keep], 1)
+    weights = signal_region_shares(base, advantages)
+    live_edit, live_keep = edit != 0, keep != 0
+    torch.testing.assert_close(weights[live_edit & ~live_keep],
+                               torch.tensor([[1.0, 0.0]]).expand(2, 2))
+    torch.testing.assert_close(weights[~live_edit & live_keep], torch.tensor([[0.0, 1.0]]))
+    torch.testing.assert_close(weights[live_edit & live_keep], base[live_edit & live_keep])
+    torch.testing.assert_close(weights[4], base[4])                  # both silent: unchanged
+    torch.testing.assert_close(weights.sum(1), torch.ones(6))
+    loss = region_policy_loss(logp, logp_old, advantages, weights, CLIP, CLIP)
+    (grad,) = torch.autograd.grad(loss, mean)
+    inside = mask.expand(SHAPE) > 0
+    region_size = torch.where(inside, inside.sum(dim=(1, 2, 3), keepdim=True),
+                              (~inside).sum(dim=(1, 2, 3), keepdim=True)).float()
+    region_weight = torch.where(inside, weights[:, 0, None, None, None],
+                                weights[:, 1, None, None, None])
+    per_element = torch.where(inside, edit[:, None, None, None], keep[:, None, None, None])
+    std = out.std[:, None, None, None]
+    expected = (-per_element * (out.prev_sample - out.mean) * region_weight
+                / (std ** 2 * region_size) / SHAPE[0])
+    torch.testing.assert_close(grad, expected, rtol=1e-4, atol=1e-10)
+    # the silent-keep rows (0, 3): the edit region at full weight, nothing on the rest
+    for row in (0, 3):
+        assert bool((grad[row][~inside[row]] == 0).all())
+        torch.testing.assert_close(
+            grad[row][inside[row]],
+            (-edit[row] * (out.prev_sample - out.mean)[row] / (out.std[row] ** 2
+             * inside[row].sum()) / SHAPE[0])[inside[row]], rtol=1e-4, atol=1e-10)
+    assert bool((grad[4] == 0).all())
+    with pytest.raises(ValueError, match=r"\(B, K\)"):
+        signal_region_shares(shares, edit)
+
+
 def test_region_advantages_are_each_rewards_group_normalisation():
     """The edit region's advantage is the group z-score of the edit reward (toy_edit's
     "target"), the rest's that of the preservation reward ("kept"), each on its own."""
@@ -279,6 +328,7 @@ def locality_config(path: str, tmp_path: Path, *overrides: str):
     (["training.locality.mask=everywhere"], "training.locality.mask must be one of"),
     (["training.locality.resize=bilinear"], "training.locality.resize must be one of"),
     (["training.locality.edit_weight=1.5"], "training.locality.edit_weight must be in"),
+    (["training.locality.silent_share=drop"], "training.locality.silent_share must be one of"),
     (["training.locality.difference_threshold=1.5"], "difference_threshold must be in"),
     (["rewards.aggregation=decoupled"], "rewards.aggregation: decoupled"),
     (["training.ratio_norm=true"], "training.ratio_norm"),
@@ -294,6 +344,8 @@ def test_an_edit_weight_without_regions_is_refused():
 
     with pytest.raises(ConfigError, match="edit_weight is set but training.locality.mask is 'off'"):
         LocalityConfig(mask="off", edit_weight=0.3).validate()
+    with pytest.raises(ConfigError, match="silent_share is 'reassign' but training.locality.mask"):
+        LocalityConfig(mask="off", silent_share="reassign").validate()
     LocalityConfig(mask="off").validate()
 
 
@@ -302,11 +354,13 @@ def test_locality_keys_must_be_reward_outputs(tmp_path):
         locality_config("assets/toy_edit", tmp_path, "training.locality.edit_key=target")
 
 
-@pytest.mark.parametrize("mask, edit_weight", [("record", "null"), ("difference", "0.3")])
-def test_an_editing_iteration_with_locality(mask, edit_weight, edit_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("mask, edit_weight, silent_share", [
+    ("record", "null", "keep"), ("difference", "0.3", "keep"), ("record", "null", "reassign")])
+def test_an_editing_iteration_with_locality(mask, edit_weight, silent_share, edit_dir, tmp_path,
+                                            monkeypatch):
     """A whole iteration: region masks on the batch, two advantages per sample, the region loss
-    on replay (first-pass ratio exactly 1 in both regions, weighed by edit_weight when set), and
-    the weights move."""
+    on replay (first-pass ratio exactly 1 in both regions, weighed by edit_weight when set, the
+    silent regions' shares reassigned when asked), and the weights move."""
     import flowgrpo.flow_policy as flow_policy
     from flowgrpo.trainer import Trainer
 
@@ -318,9 +372,19 @@ def test_an_editing_iteration_with_locality(mask, edit_weight, edit_dir, tmp_pat
         return original(shares, weight)
 
     monkeypatch.setattr(flow_policy, "fixed_region_shares", recording)
+    reassigned = []
+    original_signal = flow_policy.signal_region_shares
+
+    def recording_signal(shares, advantages):
+        out = original_signal(shares, advantages)
+        reassigned.append(bool(((advantages == 0) & (shares > 0) & (shares < 1)).any()))
+        return out
+
+    monkeypatch.setattr(flow_policy, "signal_region_shares", recording_signal)
 
     trainer = Trainer(locality_config(edit_dir, tmp_path, f"training.locality.mask={mask}",
-                                      f"training.locality.edit_weight={edit_weight}"))
+                                      f"training.locality.edit_weight={edit_weight}",
+                                      f"training.locality.silent_share={silent_share}"))
     assert trainer.config.training.locality.edit_weight == (None if edit_weight == "null"
                                                             else 0.3)
     before = {k: v.detach().clone() for k, v in trainer.policy.trainable.items()}
@@ -339,6 +403,8 @@ def test_an_editing_iteration_with_locality(mask, edit_weight, edit_dir, tmp_pat
         # the replay loss uses the fixed weights exactly when edit_weight is set
         assert weighted == ([] if edit_weight == "null" else [0.3] * len(weighted)) and \
             (edit_weight == "null" or len(weighted) > 0)
+        # and reassigns the silent regions' shares exactly when silent_share asks for it
+        assert (len(reassigned) > 0) == (silent_share == "reassign")
 
 
 def test_record_masks_are_required_at_start(edit_dir, tmp_path):
