@@ -69,6 +69,7 @@ TARGET_DELTA = 0.10            # "CPU seconds to +10 points"
 FIELDS_ADDED_SINCE_RESULTS: dict[tuple[str, ...], object] = {
     ("training", "locality", "edit_weight"): None,
     ("training", "locality", "silent_share"): "keep",
+    ("training", "locality", "keep_region"): "rest",
 }
 TABLE_EVAL_SEED = 0            # the default config's own evaluation noise (run.seed 0)
 TUNE_EVAL_SEED = 1             # tuning is scored on other noise than the table

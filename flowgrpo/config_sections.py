@@ -34,6 +34,7 @@ LOSS_SCALES = ("none", "std_over_sqrt_dt")
 MIXED_PRECISIONS = ("no", "fp16", "bf16")
 LOCALITY_MASKS = ("off", "record", "difference")
 SILENT_SHARES = ("keep", "reassign")
+KEEP_REGIONS = ("rest", "record")
 TRACKERS = ("tensorboard", "wandb", "none")
 SELECT_BEST_MODES = ("max", "min", "auto")
 # The values of the choice fields, by dotted name: what ``validate`` accepts and what
@@ -51,7 +52,8 @@ FIELD_CHOICES: dict[str, tuple[str, ...]] = {
     "training.loss_scale": LOSS_SCALES, "training.mixed_precision": MIXED_PRECISIONS,
     "training.ema.warmup": EMA_WARMUPS, "training.locality.mask": LOCALITY_MASKS,
     "training.locality.resize": REGION_RESIZES,
-    "training.locality.silent_share": SILENT_SHARES, "rewards.aggregation": REWARD_AGGREGATIONS,
+    "training.locality.silent_share": SILENT_SHARES,
+    "training.locality.keep_region": KEEP_REGIONS, "rewards.aggregation": REWARD_AGGREGATIONS,
     "llm.aggregation": tuple(TOKEN_AGGREGATIONS), "llm.level": tuple(TOKEN_LEVELS),
     "run.tracker": TRACKERS, "run.select_best_mode": SELECT_BEST_MODES,
 }
@@ -392,6 +394,13 @@ class LocalityConfig:
         "weight: 'keep' (it keeps its share and weighs nothing, so the other region keeps only "
         "its own share) or 'reassign' (its share goes to the sample's regions with a non-zero "
         "advantage; losses.signal_region_shares).", default="keep")
+    keep_region: str = _help(
+        "Where the preservation advantage acts: 'rest' (every element outside the edit region) "
+        "or 'record' (each prompt record's \"keep_mask\": toy:edit_* know it exactly, the "
+        "source's other objects; a JSONL line names a greyscale image, white = keep). With "
+        "'record', elements in neither region (the toy's empty background) are left out of the "
+        "surrogate and the two regions share each sample's weight by their sizes "
+        "(sde.region_log_probs).", default="rest")
 
     @property
     def enabled(self) -> bool:
@@ -403,6 +412,7 @@ class LocalityConfig:
         choice(self.mask, LOCALITY_MASKS, "training.locality.mask")
         choice(self.resize, REGION_RESIZES, "training.locality.resize")
         choice(self.silent_share, SILENT_SHARES, "training.locality.silent_share")
+        choice(self.keep_region, KEEP_REGIONS, "training.locality.keep_region")
         if self.edit_weight is not None:
             in_range(self.edit_weight, 0.0, 1.0, "training.locality.edit_weight",
                      low_open=True, high_open=True,
@@ -418,6 +428,10 @@ class LocalityConfig:
                 raise ConfigError("training.locality.silent_share is 'reassign' but "
                                   "training.locality.mask is 'off', so there are no regions: set "
                                   "mask to 'record' or 'difference', or remove silent_share")
+            if self.keep_region != "rest":
+                raise ConfigError("training.locality.keep_region is 'record' but "
+                                  "training.locality.mask is 'off', so there are no regions: set "
+                                  "mask to 'record' or 'difference', or remove keep_region")
             return
         for name in ("edit_key", "keep_key"):
             if not getattr(self, name):

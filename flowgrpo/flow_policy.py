@@ -30,7 +30,8 @@ from flowgrpo.losses import (batch_mean_dt_weights, check_weights, fixed_region_
                              std_over_sqrt_dt_weights, surrogate_stats, velocity_anchor)
 from flowgrpo.plans import make_plan, sample_trained_steps
 from flowgrpo.policy import Through, float32_trainable, frozen_reference, swapped_attribute
-from flowgrpo.prompts import record_images, record_masks, reward_metadata
+from flowgrpo.prompts import (record_images, record_keep_masks, record_masks,
+                              reward_metadata)
 from flowgrpo.rollout import RolloutBatch, RolloutSettings, encode_rows, replay_logp, rollout
 from flowgrpo.sde import anchor_std, region_log_probs
 from pipelines import check_model_config, load_model
@@ -106,9 +107,13 @@ class FlowPolicy(FlowEvaluation):
         self.reward = load_rewards(config, accelerator.device)
         check_guard_keys(config, self.reward)
         check_locality_keys(config, loaded_reward_keys(self.reward))
-        if config.training.locality.mask == "record":
+        if config.training.locality.mask == "record" or \
+                config.training.locality.keep_region == "record":
             try:
-                record_masks(train_records)
+                if config.training.locality.mask == "record":
+                    record_masks(train_records)
+                if config.training.locality.keep_region == "record":
+                    record_keep_masks(train_records)
             except ValueError as err:
                 raise ConfigError(str(err)) from None
         # Held-out metrics load here too, on every process (each scores its share of the
@@ -322,6 +327,8 @@ class FlowPolicy(FlowEvaluation):
                   "time/reward_compute": sum(reward_seconds)}
         if self.config.training.locality.enabled:
             batch.region_masks = self.region_masks(records, batch)
+            if self.config.training.locality.keep_region == "record":
+                batch.keep_masks = self.keep_masks(records)
         if self.config.training.kl_reward > 0:
             began = time.perf_counter()
             kl = self.rollout_kl(batch, iteration)
@@ -348,6 +355,14 @@ class FlowPolicy(FlowEvaluation):
                                 for i, image in enumerate(batch.images)])
         return self.model.region_mask(pixels, locality.resize).to(self.model.device,
                                                                   torch.float32)
+
+    @torch.no_grad()
+    def keep_masks(self, records: list[dict]) -> Tensor:
+        """(B, ...) preservation-region weights on the latents' layout
+        (``training.locality.keep_region: record``): the records' ``"keep_mask"``."""
+        pixels = stack_masks(record_keep_masks(records))
+        return self.model.region_mask(pixels, self.config.training.locality.resize).to(
+            self.model.device, torch.float32)
 
     @torch.no_grad()
     def rollout_kl(self, batch: RolloutBatch, iteration: int) -> Tensor:
@@ -484,15 +499,18 @@ class FlowPolicy(FlowEvaluation):
         t = self.config.training
         masks = batch.region_masks
         mask = masks.index_select(0, replay.rows.to(masks.device)).to(mean.device)
+        keep = batch.keep_masks
+        if keep is not None:
+            keep = keep.index_select(0, replay.rows.to(keep.device)).to(mean.device)
         next_latents = replay.next_latents.to(mean.device)
-        logp, shares = region_log_probs(next_latents - mean, replay.gaussian, mask)
+        logp, shares = region_log_probs(next_latents - mean, replay.gaussian, mask, keep)
         if t.locality.edit_weight is not None:
             shares = fixed_region_shares(shares, t.locality.edit_weight)
         if t.locality.silent_share == "reassign":
             shares = signal_region_shares(shares, adv)
         with torch.no_grad():
             logp_old, _ = region_log_probs(next_latents - replay.mean_old.to(mean.device),
-                                           replay.gaussian, mask)
+                                           replay.gaussian, mask, keep)
         loss = region_policy_loss(logp, logp_old, adv, shares, t.clip_low, clip_high,
                                   weights=weights)
         log_ratio = logp.detach() - logp_old

@@ -6,7 +6,9 @@ image: ``"image"``, a float32 tensor (3, H, W) in [0, 1] (``toy:edit_train``, or
 ``"image"``, a path relative to the JSONL file). ``record_images`` and ``reward_metadata`` hand
 it to the model and to the rewards (as ``metadata["source_image"]``). It may carry the edit
 region too: ``"mask"``, float32 (1, H, W) in [0, 1] (the toy edits' exact region, or a JSONL
-line's ``"mask"``, a greyscale image path), read by ``training.locality.mask: record``.
+line's ``"mask"``, a greyscale image path), read by ``training.locality.mask: record``, and
+the region the edit must leave alone: ``"keep_mask"`` in the same forms (the toy edits: the
+source's other objects), read by ``training.locality.keep_region: record``.
 """
 from __future__ import annotations
 
@@ -86,9 +88,10 @@ def _jsonl_record(line: str, where: str, folder: Path | None = None) -> dict:
         raise InputError(f"{where}: \"metadata\" must be a JSON object (got a JSON "
                          f"{_json_kind(metadata)})")
     if "image" not in item:
-        if "mask" in item:
-            raise InputError(f"{where}: \"mask\" marks the edit region of a source image; give "
-                             f"the line an \"image\" too")
+        for name in ("mask", "keep_mask"):
+            if name in item:
+                raise InputError(f"{where}: \"{name}\" marks a region of a source image; give "
+                                 f"the line an \"image\" too")
         return {"prompt": prompt, "metadata": metadata}
     image = item["image"]
     if not isinstance(image, str) or not image.strip():
@@ -96,14 +99,16 @@ def _jsonl_record(line: str, where: str, folder: Path | None = None) -> dict:
                          f"(got a JSON {_json_kind(image)})")
     record = {"prompt": prompt, "metadata": metadata,
               "image": load_image(Path(folder or ".") / image, where)}
-    if "mask" in item:
-        mask = item["mask"]
+    for name in ("mask", "keep_mask"):
+        if name not in item:
+            continue
+        mask = item[name]
         if not isinstance(mask, str) or not mask.strip():
-            raise InputError(f"{where}: \"mask\" must be a path string relative to the JSONL "
+            raise InputError(f"{where}: \"{name}\" must be a path string relative to the JSONL "
                              f"file (got a JSON {_json_kind(mask)})")
-        record["mask"] = load_mask(Path(folder or ".") / mask, where)
-        if record["mask"].shape[-2:] != record["image"].shape[-2:]:
-            raise InputError(f"{where}: mask {mask} is {tuple(record['mask'].shape[-2:])} but "
+        record[name] = load_mask(Path(folder or ".") / mask, where)
+        if record[name].shape[-2:] != record["image"].shape[-2:]:
+            raise InputError(f"{where}: {name} {mask} is {tuple(record[name].shape[-2:])} but "
                              f"the image is {tuple(record['image'].shape[-2:])}; give the mask "
                              f"the source image's size")
     return record
@@ -142,6 +147,18 @@ def record_masks(records: list[dict]) -> list[Tensor]:
                          f"have no \"mask\" (e.g. {missing[0]!r}); give each JSONL line a "
                          f"\"mask\" image, or use training.locality.mask: difference")
     return [r["mask"] for r in records]
+
+
+def record_keep_masks(records: list[dict]) -> list[Tensor]:
+    """The records' preservation regions (``"keep_mask"``, (1, H, W) in [0, 1]); ValueError
+    naming a record without one (``training.locality.keep_region: record`` needs every
+    record's)."""
+    missing = [r["prompt"] for r in records if r.get("keep_mask") is None]
+    if missing:
+        raise ValueError(f"training.locality.keep_region is 'record' but {len(missing)} prompt "
+                         f"records have no \"keep_mask\" (e.g. {missing[0]!r}); give each JSONL "
+                         f"line a \"keep_mask\" image, or use training.locality.keep_region: rest")
+    return [r["keep_mask"] for r in records]
 
 
 def record_images(records: list[dict]) -> list[Tensor] | None:

@@ -83,6 +83,9 @@ class RolloutBatch:
     kl_weights: Tensor | None = None   # (B,) KL gate weights (training.gardo), None = plain KL
     # (B, ...) edit-region weights in [0, 1] broadcastable to the latents (training.locality)
     region_masks: Tensor | None = None
+    # (B, ...) preservation-region weights like region_masks (locality.keep_region: record), or
+    # None: the preservation region is everything outside the edit region
+    keep_masks: Tensor | None = None
 
     @property
     def trained_transitions(self) -> int:

@@ -493,8 +493,8 @@ def _score(velocity: Tensor, sample: Tensor, next_sample: Tensor, gaussian: Step
     return log_prob, mean
 
 
-def region_log_probs(residual: Tensor, gaussian: StepGaussian, mask: Tensor
-                     ) -> tuple[Tensor, Tensor]:
+def region_log_probs(residual: Tensor, gaussian: StepGaussian, mask: Tensor,
+                     keep: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """A step's log-density split into an edit region and its complement (``training.locality``).
 
     The Gaussian factorises over elements: per element d, l_d = -(x'_d - mean_d)^2 / (2 std^2)
@@ -509,11 +509,20 @@ def region_log_probs(residual: Tensor, gaussian: StepGaussian, mask: Tensor
     (share 0) has log-prob 0, as have both parts of a row whose std is 0 (``StepGaussian``).
     Under the "unscaled" convention l_d = -(x'_d - mean_d)^2.
 
+    With ``keep`` (``training.locality.keep_region: record``) the second region is not the whole
+    complement but the elements where the preservation objective is measured, with weights
+    k_d (1 - m_d) (k_d in [0, 1]; the toy: the source's other objects): part_2 is their weighted
+    mean, elements in neither region enter neither part, and the shares are the two regions'
+    sizes over their sum (s_1 + s_2 = 1, so a row still weighs one row). The parts then no
+    longer add up to the step's log-prob: the surrogate leaves out the elements no reward
+    speaks for.
+
     Args:
         residual: (B, ...) x' - mean; carries the gradient of the mean when the caller needs it.
         gaussian: the step's ``StepGaussian``; its ``reduce`` must be "mean" (every rollout's).
         mask: region weights broadcastable to ``residual`` (e.g. (B, 1, H, W) for (B, C, H, W)
             latents), in [0, 1].
+        keep: None (the rest is the complement) or preservation-region weights like ``mask``.
 
     Returns:
         (log_probs (B, 2), shares (B, 2)), float32: column 0 the edit region, column 1 the rest.
@@ -531,11 +540,22 @@ def region_log_probs(residual: Tensor, gaussian: StepGaussian, mask: Tensor
     dims = tuple(range(1, residual.ndim))
     squared = residual.square()
     inside = weights.sum(dim=dims)
-    total = float(gaussian.numel)
-    outside = total - inside
-    shares = torch.stack([inside, outside], dim=1) / total
-    sums = torch.stack([(weights * squared).sum(dim=dims),
-                        ((1.0 - weights) * squared).sum(dim=dims)], dim=1)
+    if keep is None:
+        rest = 1.0 - weights
+        total = float(gaussian.numel)
+        outside = total - inside
+        shares = torch.stack([inside, outside], dim=1) / total
+    else:
+        try:
+            rest = torch.broadcast_to(keep.to(device=residual.device, dtype=torch.float32),
+                                      residual.shape) * (1.0 - weights)
+        except RuntimeError:
+            raise ValueError(f"keep shape {tuple(keep.shape)} does not broadcast to the latents "
+                             f"{tuple(residual.shape)}") from None
+        outside = rest.sum(dim=dims)
+        sizes = torch.stack([inside, outside], dim=1)
+        shares = sizes / sizes.sum(dim=1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
+    sums = torch.stack([(weights * squared).sum(dim=dims), (rest * squared).sum(dim=dims)], dim=1)
     counts = torch.stack([inside, outside], dim=1)
     means = sums / counts.clamp(min=torch.finfo(torch.float32).tiny)
     log_probs = -(means * gaussian.half_precision[:, None] + gaussian.log_norm[:, None])

@@ -230,6 +230,61 @@ def test_a_silent_regions_share_goes_to_the_live_region(edit_weight):
         signal_region_shares(shares, edit)
 
 
+def test_a_keep_region_leaves_the_elements_no_reward_speaks_for_out():
+    """training.locality.keep_region = record. The preservation part is the keep mask's weighted
+    mean, the shares are the two regions' sizes over their sum, and on the first pass the
+    gradient w.r.t. the mean is -A_region(d) (x'_d - mean_d) / (std^2 (|E| + |K|)) / B in each
+    region and exactly 0 on elements in neither; a keep mask of 1 - mask is the default split;
+    a row with an empty keep region is the scalar loss over the edit region alone."""
+    x, v_old, _, out = step(5)
+    mask = random_mask(3)
+    keep = random_mask(4) * (1 - mask)
+    keep[0] = 0.0                                   # no other object: the edit region alone
+    edit = torch.tensor([1.0, -2.0, 0.5, 3.0, -1.0, 0.25])
+    kept = torch.tensor([-0.5, 1.0, 2.0, -1.5, 0.75, 1.0])
+    mean = out.mean.clone().requires_grad_(True)
+    logp, shares = region_log_probs(out.prev_sample - mean, out.gaussian, mask, keep)
+    logp_old, _ = region_log_probs(out.prev_sample - out.mean, out.gaussian, mask, keep)
+    size_e, size_k = mask.sum(dim=(1, 2, 3)) * SHAPE[1], keep.sum(dim=(1, 2, 3)) * SHAPE[1]
+    torch.testing.assert_close(shares, torch.stack([size_e, size_k], 1)
+                               / (size_e + size_k)[:, None])
+    torch.testing.assert_close(shares[0], torch.tensor([1.0, 0.0]))
+    loss = region_policy_loss(logp, logp_old, torch.stack([edit, kept], 1), shares, CLIP, CLIP)
+    (grad,) = torch.autograd.grad(loss, mean)
+    inside, kept_in = mask.expand(SHAPE) > 0, keep.expand(SHAPE) > 0
+    neither = ~inside & ~kept_in
+    assert bool(neither.any()) and bool((grad[neither] == 0).all())
+    std = out.std[:, None, None, None]
+    per_element = torch.where(inside, edit[:, None, None, None], kept[:, None, None, None])
+    expected = (-per_element * (out.prev_sample - out.mean)
+                / (std ** 2 * (size_e + size_k)[:, None, None, None]) / SHAPE[0])
+    where = inside | kept_in
+    torch.testing.assert_close(grad[where], expected[where], rtol=1e-4, atol=1e-10)
+    # keep = 1 - mask is the default complement, log-probs and shares
+    default = region_log_probs(out.prev_sample - out.mean, out.gaussian, mask)
+    complement = region_log_probs(out.prev_sample - out.mean, out.gaussian, mask, 1 - mask)
+    for ours, theirs in zip(complement, default):
+        torch.testing.assert_close(ours, theirs)
+    with pytest.raises(ValueError, match="keep shape"):
+        region_log_probs(out.prev_sample - out.mean, out.gaussian, mask, torch.ones(5, 5))
+
+
+def test_toy_edit_records_keep_the_other_objects_pixels():
+    """keep_mask: the source's object pixels outside the edit region, so the two regions are
+    disjoint and together the source's foreground; a one-object scene has nothing to keep."""
+    records = load_prompts("toy:edit_heldout")
+    families = set()
+    for record in records[:6] + records[-6:]:
+        mask, keep = record["mask"], record["keep_mask"]
+        foreground = record["image"].amax(dim=0, keepdim=True) > 0
+        assert keep.shape == (1, 24, 24) and float((mask * keep).sum()) == 0.0
+        assert torch.equal((mask + keep) > 0, foreground)
+        family = record["metadata"]["family"]
+        families.add(family)
+        assert (float(keep.sum()) == 0.0) == (family == "recolor_one")
+    assert families == {"recolor_one", "recolor_two"}
+
+
 def test_region_advantages_are_each_rewards_group_normalisation():
     """The edit region's advantage is the group z-score of the edit reward (toy_edit's
     "target"), the rest's that of the preservation reward ("kept"), each on its own."""
@@ -311,6 +366,19 @@ def test_jsonl_mask_is_a_greyscale_image_relative_to_the_file(tmp_path):
     path.write_text(json.dumps({"prompt": "x", "mask": "a_mask.png"}) + "\n")
     with pytest.raises(ValueError, match="give the line an \"image\""):
         load_prompts(str(path))
+    # the preservation region, in the same form
+    path.write_text(json.dumps({"prompt": "x", "image": "a.png", "mask": "a_mask.png",
+                                "keep_mask": "a_mask.png"}) + "\n")
+    assert torch.equal(load_prompts(str(path))[0]["keep_mask"], record["mask"])
+    path.write_text(json.dumps({"prompt": "x", "image": "a.png", "keep_mask": "small.png"}) + "\n")
+    with pytest.raises(ValueError, match="keep_mask small.png is"):
+        load_prompts(str(path))
+    path.write_text(json.dumps({"prompt": "x", "image": "a.png", "keep_mask": 3}) + "\n")
+    with pytest.raises(ValueError, match="\"keep_mask\" must be a path string"):
+        load_prompts(str(path))
+    path.write_text(json.dumps({"prompt": "x", "keep_mask": "a_mask.png"}) + "\n")
+    with pytest.raises(ValueError, match="give the line an \"image\""):
+        load_prompts(str(path))
 
 
 def locality_config(path: str, tmp_path: Path, *overrides: str):
@@ -329,6 +397,7 @@ def locality_config(path: str, tmp_path: Path, *overrides: str):
     (["training.locality.resize=bilinear"], "training.locality.resize must be one of"),
     (["training.locality.edit_weight=1.5"], "training.locality.edit_weight must be in"),
     (["training.locality.silent_share=drop"], "training.locality.silent_share must be one of"),
+    (["training.locality.keep_region=outside"], "training.locality.keep_region must be one of"),
     (["training.locality.difference_threshold=1.5"], "difference_threshold must be in"),
     (["rewards.aggregation=decoupled"], "rewards.aggregation: decoupled"),
     (["training.ratio_norm=true"], "training.ratio_norm"),
@@ -346,6 +415,8 @@ def test_an_edit_weight_without_regions_is_refused():
         LocalityConfig(mask="off", edit_weight=0.3).validate()
     with pytest.raises(ConfigError, match="silent_share is 'reassign' but training.locality.mask"):
         LocalityConfig(mask="off", silent_share="reassign").validate()
+    with pytest.raises(ConfigError, match="keep_region is 'record' but training.locality.mask"):
+        LocalityConfig(mask="off", keep_region="record").validate()
     LocalityConfig(mask="off").validate()
 
 
@@ -354,10 +425,11 @@ def test_locality_keys_must_be_reward_outputs(tmp_path):
         locality_config("assets/toy_edit", tmp_path, "training.locality.edit_key=target")
 
 
-@pytest.mark.parametrize("mask, edit_weight, silent_share", [
-    ("record", "null", "keep"), ("difference", "0.3", "keep"), ("record", "null", "reassign")])
-def test_an_editing_iteration_with_locality(mask, edit_weight, silent_share, edit_dir, tmp_path,
-                                            monkeypatch):
+@pytest.mark.parametrize("mask, edit_weight, silent_share, keep_region", [
+    ("record", "null", "keep", "rest"), ("difference", "0.3", "keep", "rest"),
+    ("record", "null", "reassign", "rest"), ("record", "null", "keep", "record")])
+def test_an_editing_iteration_with_locality(mask, edit_weight, silent_share, keep_region, edit_dir,
+                                            tmp_path, monkeypatch):
     """A whole iteration: region masks on the batch, two advantages per sample, the region loss
     on replay (first-pass ratio exactly 1 in both regions, weighed by edit_weight when set, the
     silent regions' shares reassigned when asked), and the weights move."""
@@ -381,18 +453,31 @@ def test_an_editing_iteration_with_locality(mask, edit_weight, silent_share, edi
         return out
 
     monkeypatch.setattr(flow_policy, "signal_region_shares", recording_signal)
+    keeps = []
+    original_parts = flow_policy.region_log_probs
+
+    def recording_parts(residual, gaussian, region, keep=None):
+        keeps.append(keep)
+        return original_parts(residual, gaussian, region, keep)
+
+    monkeypatch.setattr(flow_policy, "region_log_probs", recording_parts)
 
     trainer = Trainer(locality_config(edit_dir, tmp_path, f"training.locality.mask={mask}",
                                       f"training.locality.edit_weight={edit_weight}",
-                                      f"training.locality.silent_share={silent_share}"))
+                                      f"training.locality.silent_share={silent_share}",
+                                      f"training.locality.keep_region={keep_region}"))
     assert trainer.config.training.locality.edit_weight == (None if edit_weight == "null"
                                                             else 0.3)
     before = {k: v.detach().clone() for k, v in trainer.policy.trainable.items()}
     batch, rewards, _ = trainer.policy.rollout(*trainer.local_batch(0), 0)
     assert batch.region_masks.shape == (8, 1, 24, 24)
+    records = trainer.local_batch(0)[0]
     if mask == "record":
-        records = trainer.local_batch(0)[0]
         assert torch.equal(batch.region_masks[0], records[0]["mask"])
+    if keep_region == "record":
+        assert torch.equal(batch.keep_masks, torch.stack([r["keep_mask"] for r in records]))
+    else:
+        assert batch.keep_masks is None
     advantages, metrics = trainer.compute_advantages(batch, rewards)
     assert advantages.shape == (8, 2)
     assert "adv/edit/zero_std_fraction" in metrics and "adv/keep/zero_std_fraction" in metrics
@@ -405,6 +490,9 @@ def test_an_editing_iteration_with_locality(mask, edit_weight, silent_share, edi
             (edit_weight == "null" or len(weighted) > 0)
         # and reassigns the silent regions' shares exactly when silent_share asks for it
         assert (len(reassigned) > 0) == (silent_share == "reassign")
+        # and splits by the records' keep masks exactly when keep_region asks for them
+        assert len(keeps) > 0 and all((k is not None) == (keep_region == "record")
+                                      for k in keeps)
 
 
 def test_record_masks_are_required_at_start(edit_dir, tmp_path):
@@ -418,4 +506,10 @@ def test_record_masks_are_required_at_start(edit_dir, tmp_path):
     config = locality_config(edit_dir, tmp_path, f"prompts.train={folder / 'e.jsonl'}",
                              "prompts.eval=null", "rewards.components=[{name: toy_edit}]")
     with pytest.raises(ConfigError, match="have no \"mask\""):
+        Trainer(config)
+    config = locality_config(edit_dir, tmp_path, f"prompts.train={folder / 'e.jsonl'}",
+                             "prompts.eval=null", "rewards.components=[{name: toy_edit}]",
+                             "training.locality.mask=difference",
+                             "training.locality.keep_region=record")
+    with pytest.raises(ConfigError, match="have no \"keep_mask\""):
         Trainer(config)

@@ -5,6 +5,7 @@ An edit record is a prompt record with a source image (``flowgrpo.prompts``)::
     {"prompt": "make the circle blue",
      "image": float (3, 24, 24) in [0, 1],          # the source scene
      "mask": float (1, 24, 24) of 0/1,              # where source and target differ
+     "keep_mask": float (1, 24, 24) of 0/1,         # the source's objects the edit leaves alone
      "metadata": {"family": "recolor_two",           # recolor_one / recolor_two (objects in scene)
                   "task": "edit",
                   "objects": [...], "relation": None, # the TARGET scene (grammar metadata)
@@ -83,9 +84,17 @@ def edit_mask(source: np.ndarray, target: np.ndarray) -> np.ndarray:
     return (np.abs(target - source).max(axis=0, keepdims=True) > 0).astype(np.float32)
 
 
+def keep_mask(source: np.ndarray, edit_region: np.ndarray) -> np.ndarray:
+    """(1, H, W) float32 of 0/1: the source's object pixels (any channel above the black
+    background) outside the edit region (1, H, W): the objects the edit must leave alone."""
+    foreground = source.max(axis=0, keepdims=True) > 0
+    return (foreground & (edit_region == 0)).astype(np.float32)
+
+
 def edit_split(split: str) -> list[dict]:
     """Edit records of ``split`` ("edit_train" or "edit_heldout"), with ``image`` a float32 torch
-    tensor (3, 24, 24) in [0, 1] and ``mask`` its exact edit region (``edit_mask``, (1, 24, 24));
+    tensor (3, 24, 24) in [0, 1], ``mask`` its exact edit region (``edit_mask``, (1, 24, 24)) and
+    ``keep_mask`` the objects the edit leaves alone (``keep_mask``);
     families in ``EDIT_FAMILIES`` order."""
     if split not in EDIT_SPLITS:
         raise ValueError(f"split must be one of {EDIT_SPLITS} (got {split!r})")
@@ -100,10 +109,12 @@ def edit_split(split: str) -> list[dict]:
         seed = rng.randrange(2 ** 31)
         image, target_image = render_pair(source, edit, seed)
         target = apply_edit(source, edit)
+        region = edit_mask(image, target_image)
         records.append({
             "prompt": instruction(edit),
             "image": torch.from_numpy(image),
-            "mask": torch.from_numpy(edit_mask(image, target_image)),
+            "mask": torch.from_numpy(region),
+            "keep_mask": torch.from_numpy(keep_mask(image, region)),
             "metadata": {"family": EDIT_FAMILIES[source["family"]], "task": "edit",
                          "objects": target["objects"], "relation": target.get("relation"),
                          "source": source, "edit": edit, "layout_seed": seed}})
