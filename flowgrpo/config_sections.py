@@ -9,6 +9,7 @@ reward names) is checked by that registry, from the policy (``Policy.check_confi
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -155,6 +156,10 @@ class PromptsConfig:
     balance_key: str | None = _help(
         "Sample training prompts uniformly over the values of metadata[balance_key] (e.g. "
         "'family') instead of uniformly over prompts; None = uniform over prompts.", default=None)
+    balance_weights: dict[str, float] = _help(
+        "With balance_key: relative draw weights of its values, e.g. {recolor_one: 1, recolor_two: "
+        "2} draws two-object edits twice as often; a value not named weighs 1; empty = uniform "
+        "over the values.", default_factory=dict)
     num_eval: int = _help("Number of held-out prompts per evaluation (0 = all).", default=0)
     eval_seeds: int = _help("Samples per held-out prompt at evaluation.", default=1)
     eval_per_family: int = _help(
@@ -178,6 +183,16 @@ class PromptsConfig:
                 raise ConfigError(f"{key}: {source} is not a prompt source; give a .txt file (one "
                                   f"prompt a line), a .jsonl file ({{\"prompt\": ..., "
                                   f"\"metadata\": ...}} a line) or toy:train / toy:heldout")
+        if self.balance_weights:
+            if not self.balance_key:
+                raise ConfigError("prompts.balance_weights weighs the values of "
+                                  "prompts.balance_key, which is not set: set balance_key (e.g. "
+                                  "'family') or remove balance_weights")
+            for label, weight in self.balance_weights.items():
+                if not isinstance(weight, (int, float)) or isinstance(weight, bool) or \
+                        not math.isfinite(weight) or weight < 0:
+                    raise ConfigError(f"prompts.balance_weights.{label} must be a finite number "
+                                      f">= 0 (got {weight!r})")
         positive(self.num_eval, "prompts.num_eval", allow_zero=True)
         positive(self.eval_seeds, "prompts.eval_seeds")
         positive(self.eval_per_family, "prompts.eval_per_family", allow_zero=True)

@@ -326,7 +326,8 @@ class LMPolicy:
                 # Refill each flat group's slot with a fresh prompt of this round.
                 fresh = sample_groups(self.train_records, cfg.training.prompts_per_iteration,
                                       cfg.run.seed, f"{iteration}/resample{round_index}",
-                                      cfg.prompts.balance_key)
+                                      cfg.prompts.balance_key,
+                                      bucket_weights=cfg.prompts.balance_weights)
                 for row in rows:
                     records[row] = fresh[int(group_ids[row])]
             if rows:   # after round 0, a process may hold no row of a flat group

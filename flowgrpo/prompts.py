@@ -23,7 +23,7 @@ from PIL import Image
 from torch import Tensor
 
 from flowgrpo.dotted import import_dotted
-from flowgrpo.errors import InputError
+from flowgrpo.errors import ConfigError, InputError
 from flowgrpo.pixels import from_uint8
 from flowgrpo.prompt_sets import missing_hint
 from flowgrpo.seeding import seeded_generator
@@ -187,12 +187,13 @@ def _json_kind(value: object) -> str:
 
 
 def sample_groups(records: list[dict], num_groups: int, seed: int, iteration: int | str,
-                  balance_key: str | None = None, weights: Tensor | None = None) -> list[dict]:
+                  balance_key: str | None = None, weights: Tensor | None = None,
+                  bucket_weights: dict[str, float] | None = None) -> list[dict]:
     """The ``num_groups`` prompts of one iteration: a deterministic function of (seed, iteration,
     weights). See ``sample_indices``."""
     buckets = bucket_labels(records, balance_key) if balance_key else None
     return [records[i] for i in sample_indices(len(records), num_groups, seed, iteration,
-                                               buckets, weights)]
+                                               buckets, weights, bucket_weights)]
 
 
 def bucket_labels(records: list[dict], balance_key: str) -> list[str]:
@@ -200,8 +201,23 @@ def bucket_labels(records: list[dict], balance_key: str) -> list[str]:
     return [str(record["metadata"].get(balance_key)) for record in records]
 
 
+def check_balance_weights(bucket_weights: dict[str, float], buckets: list[str],
+                          balance_key: str) -> None:
+    """ConfigError unless every label ``prompts.balance_weights`` names is a value of the training
+    prompts' ``metadata[balance_key]`` and some value present can be drawn."""
+    labels = sorted(set(buckets))
+    unknown = sorted(set(bucket_weights) - set(labels))
+    if unknown:
+        raise ConfigError(f"prompts.balance_weights names {unknown}, which no training prompt has "
+                          f"as metadata[{balance_key!r}]; the values are {labels}")
+    if not any(bucket_weights.get(label, 1.0) > 0 for label in labels):
+        raise ConfigError(f"prompts.balance_weights gives every value of {balance_key!r} weight "
+                          f"0, so no prompt can be drawn; give one a positive weight")
+
+
 def sample_indices(num_records: int, num_groups: int, seed: int, iteration: int | str,
-                   buckets: list[str] | None = None, weights: Tensor | None = None) -> list[int]:
+                   buckets: list[str] | None = None, weights: Tensor | None = None,
+                   bucket_weights: dict[str, float] | None = None) -> list[int]:
     """Indices of the ``num_groups`` prompts of one iteration, a pure function of its arguments.
 
     Without ``buckets``: draws without replacement within an iteration while there are enough
@@ -210,7 +226,9 @@ def sample_indices(num_records: int, num_groups: int, seed: int, iteration: int 
     ``buckets`` (one label per prompt, e.g. its family): each group first draws a label
     uniformly, then a prompt of that label, uniformly or by ``weights`` within the label, so a
     rare task family is trained as often as a common one (GenEval's prompt set is dominated by
-    one family). ``draw_probabilities`` gives the closed-form chance of each prompt per draw.
+    one family). ``bucket_weights`` (``prompts.balance_weights``: label -> relative weight, a
+    label not named weighs 1) draws the label by those weights instead of uniformly.
+    ``draw_probabilities`` gives the closed-form chance of each prompt per draw.
     """
     generator = seeded_generator(seed, iteration, "prompts")
     if weights is not None:
@@ -230,9 +248,21 @@ def sample_indices(num_records: int, num_groups: int, seed: int, iteration: int 
         if weights is not None:
             # A label whose prompts all weigh 0 cannot be drawn (a family has no choice in it).
             keys = [k for k in keys if float(weights[members[k]].sum()) > 0]
+        label_weights = None
+        if bucket_weights:
+            keys = [k for k in keys if bucket_weights.get(k, 1.0) > 0]
+            label_weights = torch.tensor([bucket_weights.get(k, 1.0) for k in keys],
+                                         dtype=torch.float64)
+        if not keys:
+            raise ValueError("no label can be drawn: every label weighs 0 (prompts.balance_weights "
+                             "or the curriculum's weights)")
         picks = []
         for _ in range(num_groups):
-            bucket = members[keys[int(torch.randint(len(keys), (1,), generator=generator))]]
+            if label_weights is None:      # uniform (the draw every run before the option made)
+                choice = int(torch.randint(len(keys), (1,), generator=generator))
+            else:
+                choice = int(torch.multinomial(label_weights, 1, generator=generator))
+            bucket = members[keys[choice]]
             if weights is None:
                 picks.append(bucket[int(torch.randint(len(bucket), (1,), generator=generator))])
             else:
@@ -252,19 +282,24 @@ def sample_indices(num_records: int, num_groups: int, seed: int, iteration: int 
     return order
 
 
-def draw_probabilities(weights: Tensor, buckets: list[str] | None = None) -> Tensor:
+def draw_probabilities(weights: Tensor, buckets: list[str] | None = None,
+                       bucket_weights: dict[str, float] | None = None) -> Tensor:
     """(P,) probability that one draw of ``sample_indices`` picks each prompt (its first draw of an
     iteration; later draws within an iteration are without replacement when there are no
     buckets): w_i / sum w, or with buckets (1 / L) * w_i / (sum of w over i's label), over the L
-    labels with positive weight."""
+    labels with positive weight; with ``bucket_weights`` b, b_l / (sum of b over those labels)
+    in place of 1 / L."""
     weights = torch.as_tensor(weights, dtype=torch.float64)
     if buckets is None:
         return weights / weights.sum()
     totals: dict[str, float] = {}
     for label, weight in zip(buckets, weights.tolist()):
         totals[label] = totals.get(label, 0.0) + weight
-    live = sum(1 for total in totals.values() if total > 0)
-    return torch.tensor([w / totals[label] / live if totals[label] > 0 else 0.0
+    label_weight = {label: (bucket_weights or {}).get(label, 1.0) if total > 0 else 0.0
+                    for label, total in totals.items()}
+    norm = sum(label_weight.values())
+    return torch.tensor([w / totals[label] * label_weight[label] / norm
+                         if label_weight[label] > 0 else 0.0
                          for label, w in zip(buckets, weights.tolist())], dtype=torch.float64)
 
 
@@ -335,14 +370,16 @@ class PromptCurriculum:
             self.groups[index] = self.decay * self.groups[index] + 1.0
             self.mixed[index] = self.decay * self.mixed[index] + float(bool(was_mixed))
 
-    def summary(self, buckets: list[str] | None = None) -> dict[str, float]:
+    def summary(self, buckets: list[str] | None = None,
+                bucket_weights: dict[str, float] | None = None) -> dict[str, float]:
         """``seen_prompts``; ``expected_mixed_share``: the chance that a draw with these weights
         gives a mixed group, by the estimates; ``uniform_mixed_share``: the same for draws without
         the curriculum (uniform, or uniform per bucket)."""
         p = self.probabilities()
-        uniform = draw_probabilities(torch.ones_like(p), buckets)
+        uniform = draw_probabilities(torch.ones_like(p), buckets, bucket_weights)
+        drawn = draw_probabilities(self.weights(), buckets, bucket_weights)
         return {"seen_prompts": float((self.groups > 0).sum()),
-                "expected_mixed_share": float((draw_probabilities(self.weights(), buckets) * p).sum()),
+                "expected_mixed_share": float((drawn * p).sum()),
                 "uniform_mixed_share": float((uniform * p).sum())}
 
     def state_dict(self) -> dict:

@@ -40,7 +40,8 @@ from flowgrpo.engines import (check_engine, engine_name, preflight_engine, repli
 from flowgrpo.guards import load_feature_extractor
 from flowgrpo.heldout import BestRecord, reward_directions, resolve_mode
 from flowgrpo.policy import check_model_source, load_policy_class
-from flowgrpo.prompts import PromptCurriculum, bucket_labels, load_prompts, sample_indices
+from flowgrpo.prompts import (PromptCurriculum, bucket_labels, check_balance_weights, load_prompts,
+                              sample_indices)
 from flowgrpo.run_folder import RunLock
 from flowgrpo.run_log import keep_records
 from flowgrpo.seeding import seeded_generator
@@ -141,6 +142,9 @@ class Trainer(TrainerAdvantages, TrainerCheckpoints, TrainerEvaluation):
             prior_strength=cur.prior_strength, decay=cur.decay) if cur.enabled else None
         self.train_buckets = (bucket_labels(self.train_records, config.prompts.balance_key)
                               if config.prompts.balance_key else None)
+        if config.prompts.balance_weights:
+            check_balance_weights(config.prompts.balance_weights, self.train_buckets,
+                                  config.prompts.balance_key)
         self._drawn: tuple[int, list[int]] | None = None
         # training.gardo.diversity's feature: a user's class that cannot be built fails here too
         self.feature_extractor = load_feature_extractor(config) if t.gardo.diversity else None
@@ -266,7 +270,8 @@ class Trainer(TrainerAdvantages, TrainerCheckpoints, TrainerEvaluation):
             return self._drawn[1]
         weights = self.curriculum.weights() if self.curriculum is not None else None
         indices = sample_indices(len(self.train_records), self.config.training.prompts_per_iteration,
-                                 self.config.run.seed, iteration, self.train_buckets, weights)
+                                 self.config.run.seed, iteration, self.train_buckets, weights,
+                                 self.config.prompts.balance_weights)
         self._drawn = (iteration, indices)
         return indices
 

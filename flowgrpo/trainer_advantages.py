@@ -160,5 +160,6 @@ class TrainerAdvantages:
         metrics = {"train/curriculum_mixed_share":
                    float(mixed[informative].double().mean()) if kept else float("nan")}
         metrics.update({f"train/curriculum_{k}": v
-                        for k, v in self.curriculum.summary(self.train_buckets).items()})
+                        for k, v in self.curriculum.summary(
+                            self.train_buckets, self.config.prompts.balance_weights).items()})
         return metrics

@@ -75,6 +75,55 @@ def test_balance_key_draws_the_family_uniformly_then_by_curriculum_weight():
                                              for i in sample_indices(4, 4, 1, 0, buckets, cur.weights())]
 
 
+def test_balance_weights_draw_each_family_by_its_weight():
+    """prompts.balance_weights: a family is drawn with probability b_l / sum b (a family not
+    named weighs 1, weight 0 is never drawn), then a prompt of it as before; without weights the
+    draws are exactly balance_key's uniform ones."""
+    buckets = ["x"] + ["y"] * 3 + ["z"] * 2
+    probabilities = draw_probabilities(torch.ones(6), buckets, {"y": 3, "z": 0})
+    assert probabilities.tolist() == pytest.approx([0.25, 0.25, 0.25, 0.25, 0.0, 0.0])
+    probabilities = draw_probabilities(torch.ones(6), buckets, {"y": 2})   # z weighs 1
+    assert probabilities.tolist() == pytest.approx([0.25, 1 / 6, 1 / 6, 1 / 6, 0.125, 0.125])
+    draws = 3000
+    picks = [i for it in range(draws // 3)
+             for i in sample_indices(6, 3, 4, it, buckets, bucket_weights={"y": 2})]
+    shares = _shares(picks, 6)
+    for share, expected in zip(shares.tolist(), probabilities.tolist()):
+        assert abs(share - expected) < 4 * math.sqrt(expected * (1 - expected) / draws), shares
+    never = [i for it in range(200) for i in sample_indices(6, 3, 4, it, buckets,
+                                                            bucket_weights={"z": 0})]
+    assert not {4, 5} & set(never)
+    for it in range(20):
+        assert sample_indices(6, 3, 4, it, buckets) == sample_indices(6, 3, 4, it, buckets,
+                                                                      bucket_weights={})
+    with pytest.raises(ValueError, match="no label can be drawn"):
+        sample_indices(6, 3, 4, 0, buckets, bucket_weights={"x": 0, "y": 0, "z": 0})
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["prompts.balance_key=null", "prompts.balance_weights={x: 2}"],
+     "prompts.balance_weights weighs the values of prompts.balance_key, which is not set"),
+    (["prompts.balance_weights={colors: -1}"], r"prompts.balance_weights.colors must be a finite"),
+    (["prompts.balance_weights={colors: .nan}"], r"prompts.balance_weights.colors must be a finite"),
+])
+def test_bad_balance_weights_are_refused_at_load(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config("configs/toy_geneval.yaml", overrides)
+
+
+def test_balance_weights_must_name_families_the_prompts_have(tmp_path):
+    from flowgrpo.trainer import Trainer
+
+    for weights, message in (("{colour: 2}", r"names \['colour'\], which no training prompt"),
+                             ("{colors: 0, counting: 0, position: 0, color_attr: 0, "
+                              "single_object: 0, two_object: 0}", "every value of 'family' weight 0")):
+        config = load_config("configs/toy_geneval.yaml", [
+            f"prompts.balance_weights={weights}", f"run.output_dir={tmp_path}",
+            "model.path=does/not/matter"])
+        with pytest.raises(ConfigError, match=message):
+            Trainer(config, model=object())
+
+
 def test_draws_are_a_pure_function_of_seed_iteration_and_history():
     a, b = _curriculum(6), _curriculum(6)
     history = ([0, 3, 3, 5], [True, False, True, False])
