@@ -459,6 +459,14 @@ def test_claims_are_ratios_against_their_baselines(bench):
     summaries["flash_grpo"] = bench.summarize_method(runs["flash_grpo"])
     row = bench.claim_row(bench.CLAIMS[3], summaries, runs)
     assert row["ratio"] is None and "the method did not gain" in row["measured"]
+    # a baseline gain of rounding noise (the base's accuracy again) or under a point is no gain
+    runs["flash_grpo"] = [_record("flash_grpo", 0, [0.38, 0.40])]
+    summaries["flash_grpo"] = bench.summarize_method(runs["flash_grpo"])
+    for flat in (0.30 + 1e-12, 0.309):
+        runs["flow_grpo"] = [_record("flow_grpo", 0, [flat, 0.45])]
+        summaries["flow_grpo"] = bench.summarize_method(runs["flow_grpo"])
+        row = bench.claim_row(bench.CLAIMS[3], summaries, runs)
+        assert row["ratio"] is None and "the baseline did not gain a point" in row["measured"]
 
 
 def test_tuning_choice_breaks_ties_toward_the_lower_lr(bench):
