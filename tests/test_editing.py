@@ -240,12 +240,13 @@ def test_pretraining_continues_an_editing_model(edit_dir, tmp_path):
     assert continued.defaults.extra["continued_from"] == {"command": "the first stage", "steps": 7}
 
 
-# Measured with the test's own settings, 2026-12-02 (2 threads, beside other jobs): exact 0.328 ->
-# 0.370 (+4.2 points), kept 0.859 -> 0.859. The threshold asks half that gain; kept may fall at
-# most the 2 points. The full config (100 iterations) gains +13.0 (docs/toy_world.md).
+# Measured with the test's own settings, 2026-12-02 (2 threads, beside one one-thread run; 9 min
+# 18 s): exact 0.328 -> 0.453 (+12.5 points), kept 0.859 -> 0.852. The threshold asks half that
+# gain; kept may fall at most the 2 points. The full config (100 iterations) gains about
+# +19 (docs/toy_world.md).
 EDIT_TEST_ITERATIONS = 40
-MEASURED = "measured 2026-12-02: exact 0.328 -> 0.370, kept 0.859 -> 0.859"
-GAIN_THRESHOLD = 0.02
+MEASURED = "measured 2026-12-02: exact 0.328 -> 0.453, kept 0.859 -> 0.852"
+GAIN_THRESHOLD = 0.06
 KEPT_TOLERANCE = 0.02
 
 
