@@ -141,24 +141,25 @@ def load_mask(path: Path, where: str = "") -> Tensor:
 def record_masks(records: list[dict]) -> list[Tensor]:
     """The records' edit masks (``"mask"``, (1, H, W) in [0, 1]); ValueError naming a record
     without one (``training.locality.mask: record`` needs every record's)."""
-    missing = [r["prompt"] for r in records if r.get("mask") is None]
-    if missing:
-        raise ValueError(f"training.locality.mask is 'record' but {len(missing)} prompt records "
-                         f"have no \"mask\" (e.g. {missing[0]!r}); give each JSONL line a "
-                         f"\"mask\" image, or use training.locality.mask: difference")
-    return [r["mask"] for r in records]
+    return _required_masks(records, "mask", "training.locality.mask",
+                           "training.locality.mask: difference")
 
 
 def record_keep_masks(records: list[dict]) -> list[Tensor]:
     """The records' preservation regions (``"keep_mask"``, (1, H, W) in [0, 1]); ValueError
     naming a record without one (``training.locality.keep_region: record`` needs every
     record's)."""
-    missing = [r["prompt"] for r in records if r.get("keep_mask") is None]
+    return _required_masks(records, "keep_mask", "training.locality.keep_region",
+                           "training.locality.keep_region: rest")
+
+
+def _required_masks(records: list[dict], name: str, option: str, instead: str) -> list[Tensor]:
+    missing = [r["prompt"] for r in records if r.get(name) is None]
     if missing:
-        raise ValueError(f"training.locality.keep_region is 'record' but {len(missing)} prompt "
-                         f"records have no \"keep_mask\" (e.g. {missing[0]!r}); give each JSONL "
-                         f"line a \"keep_mask\" image, or use training.locality.keep_region: rest")
-    return [r["keep_mask"] for r in records]
+        raise ValueError(f"{option} is 'record' but {len(missing)} prompt records have no "
+                         f"\"{name}\" (e.g. {missing[0]!r}); give each JSONL line a \"{name}\" "
+                         f"image, or use {instead}")
+    return [r[name] for r in records]
 
 
 def record_images(records: list[dict]) -> list[Tensor] | None:

@@ -138,6 +138,20 @@ def test_each_element_is_pushed_by_its_own_regions_advantage():
         assert bool((grad[~where.expand(SHAPE)] != 0).any())
 
 
+def first_pass_region_grad(out, inside, weights, edit, keep):
+    """The first pass's gradient w.r.t. the step mean with region weights (B, 2) over the edit
+    region ``inside`` and its complement: -A_region(d) (x'_d - mean_d) w_region(d) /
+    (std^2 |region(d)|) / B per element."""
+    region_size = torch.where(inside, inside.sum(dim=(1, 2, 3), keepdim=True),
+                              (~inside).sum(dim=(1, 2, 3), keepdim=True)).float()
+    region_weight = torch.where(inside, weights[:, 0, None, None, None],
+                                weights[:, 1, None, None, None])
+    per_element = torch.where(inside, edit[:, None, None, None], keep[:, None, None, None])
+    std = out.std[:, None, None, None]
+    return (-per_element * (out.prev_sample - out.mean) * region_weight
+            / (std ** 2 * region_size) / SHAPE[0])
+
+
 @pytest.mark.parametrize("edit_weight", [0.5, 0.2])
 def test_fixed_edit_weight_pushes_each_region_by_its_advantage_over_its_own_area(edit_weight):
     """training.locality.edit_weight = w. On the first pass the gradient w.r.t. the step mean is
@@ -160,18 +174,12 @@ def test_fixed_edit_weight_pushes_each_region_by_its_advantage_over_its_own_area
     loss = region_policy_loss(logp, logp_old, torch.stack([edit, keep], 1), weights, CLIP, CLIP)
     (grad,) = torch.autograd.grad(loss, mean)
     inside = mask.expand(SHAPE) > 0
-    region_size = torch.where(inside, inside.sum(dim=(1, 2, 3), keepdim=True),
-                              (~inside).sum(dim=(1, 2, 3), keepdim=True)).float()
-    region_weight = torch.where(inside, weights[:, 0, None, None, None],
-                                weights[:, 1, None, None, None])
-    per_element = torch.where(inside, edit[:, None, None, None], keep[:, None, None, None])
-    std = out.std[:, None, None, None]
-    expected = (-per_element * (out.prev_sample - out.mean) * region_weight
-                / (std ** 2 * region_size) / SHAPE[0])
-    torch.testing.assert_close(grad, expected, rtol=1e-4, atol=1e-10)
+    torch.testing.assert_close(grad, first_pass_region_grad(out, inside, weights, edit, keep),
+                               rtol=1e-4, atol=1e-10)
     # Against the area weighting, the edit region's per-element push grows by w n / |region|.
     numel = float(np.prod(SHAPE[1:]))
-    area_grad = -per_element * (out.prev_sample - out.mean) / (std ** 2 * numel) / SHAPE[0]
+    area_grad = first_pass_region_grad(out, inside, shares, edit, keep)
+    region_size = inside.sum(dim=(1, 2, 3), keepdim=True).float().expand(SHAPE)
     rows = slice(2, None)
     ratio = grad[rows][inside[rows]] / area_grad[rows][inside[rows]]
     torch.testing.assert_close(ratio, edit_weight * numel / region_size[rows][inside[rows]],
@@ -209,15 +217,8 @@ def test_a_silent_regions_share_goes_to_the_live_region(edit_weight):
     loss = region_policy_loss(logp, logp_old, advantages, weights, CLIP, CLIP)
     (grad,) = torch.autograd.grad(loss, mean)
     inside = mask.expand(SHAPE) > 0
-    region_size = torch.where(inside, inside.sum(dim=(1, 2, 3), keepdim=True),
-                              (~inside).sum(dim=(1, 2, 3), keepdim=True)).float()
-    region_weight = torch.where(inside, weights[:, 0, None, None, None],
-                                weights[:, 1, None, None, None])
-    per_element = torch.where(inside, edit[:, None, None, None], keep[:, None, None, None])
-    std = out.std[:, None, None, None]
-    expected = (-per_element * (out.prev_sample - out.mean) * region_weight
-                / (std ** 2 * region_size) / SHAPE[0])
-    torch.testing.assert_close(grad, expected, rtol=1e-4, atol=1e-10)
+    torch.testing.assert_close(grad, first_pass_region_grad(out, inside, weights, edit, keep),
+                               rtol=1e-4, atol=1e-10)
     # the silent-keep rows (0, 3): the edit region at full weight, nothing on the rest
     for row in (0, 3):
         assert bool((grad[row][~inside[row]] == 0).all())
