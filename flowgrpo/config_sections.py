@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from flowgrpo.advantages import REWARD_AGGREGATIONS, SCALES
-from flowgrpo.checks import choice, in_range, positive
+from flowgrpo.checks import choice, in_range, is_number, positive
 from flowgrpo.dtypes import DTYPE_NAMES
 from flowgrpo.edit_regions import REGION_RESIZES
 from flowgrpo.ema import EMA_WARMUPS
@@ -189,10 +189,11 @@ class PromptsConfig:
                                   "prompts.balance_key, which is not set: set balance_key (e.g. "
                                   "'family') or remove balance_weights")
             for label, weight in self.balance_weights.items():
-                if not isinstance(weight, (int, float)) or isinstance(weight, bool) or \
-                        not math.isfinite(weight) or weight < 0:
-                    raise ConfigError(f"prompts.balance_weights.{label} must be a finite number "
-                                      f">= 0 (got {weight!r})")
+                name = f"prompts.balance_weights.{label}"
+                if not is_number(weight):
+                    raise ConfigError(f"{name} must be a number >= 0 (got {weight!r})")
+                in_range(weight, 0.0, math.inf, name, high_open=True,
+                         meaning=" (a relative draw weight)")
         positive(self.num_eval, "prompts.num_eval", allow_zero=True)
         positive(self.eval_seeds, "prompts.eval_seeds")
         positive(self.eval_per_family, "prompts.eval_per_family", allow_zero=True)

@@ -107,15 +107,14 @@ class FlowPolicy(FlowEvaluation):
         self.reward = load_rewards(config, accelerator.device)
         check_guard_keys(config, self.reward)
         check_locality_keys(config, loaded_reward_keys(self.reward))
-        if config.training.locality.mask == "record" or \
-                config.training.locality.keep_region == "record":
-            try:
-                if config.training.locality.mask == "record":
-                    record_masks(train_records)
-                if config.training.locality.keep_region == "record":
-                    record_keep_masks(train_records)
-            except ValueError as err:
-                raise ConfigError(str(err)) from None
+        locality = config.training.locality
+        try:
+            if locality.mask == "record":
+                record_masks(train_records)
+            if locality.keep_region == "record":
+                record_keep_masks(train_records)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
         # Held-out metrics load here too, on every process (each scores its share of the
         # evaluation rows): a bad option or missing weights fail now, not at the first
         # evaluation of a resumed run.

@@ -375,7 +375,7 @@ class PromptCurriculum:
                 bucket_weights: dict[str, float] | None = None) -> dict[str, float]:
         """``seen_prompts``; ``expected_mixed_share``: the chance that a draw with these weights
         gives a mixed group, by the estimates; ``uniform_mixed_share``: the same for draws without
-        the curriculum (uniform, or uniform per bucket)."""
+        the curriculum (uniform, or per bucket drawn uniformly or by ``bucket_weights``)."""
         p = self.probabilities()
         uniform = draw_probabilities(torch.ones_like(p), buckets, bucket_weights)
         drawn = draw_probabilities(self.weights(), buckets, bucket_weights)
