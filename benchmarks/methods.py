@@ -200,6 +200,22 @@ def seconds_to_target(points: Sequence[tuple[float, float]], target: float
     return None, None
 
 
+def value_at_iteration(points: Sequence[tuple[float, float]], iteration: float) -> float | None:
+    """Accuracy at ``iteration`` along (iteration, accuracy) points in iteration order (the base
+    at iteration 0 first): linear interpolation between the evaluations on either side, the
+    point's own value on an evaluation; None past the last evaluation (the run did not get
+    there)."""
+    previous = None
+    for done, accuracy in points:
+        if done >= iteration:
+            if previous is None or done == previous[0]:
+                return float(accuracy)
+            i0, a0 = previous
+            return float(a0 + (iteration - i0) / (done - i0) * (accuracy - a0))
+        previous = (done, accuracy)
+    return None
+
+
 def median_seconds(values: Sequence[float | None]) -> float | None:
     """Median over seeds where "not reached" (None) counts as longer than any budget; None when
     the median itself is not reached (so at least half the seeds must reach the target)."""
@@ -647,8 +663,11 @@ def _mean_of(column: Sequence) -> float | None:
     return sum(values) / len(values) if values else None
 
 
-def summarize_method(records: list[dict], target_delta: float = TARGET_DELTA) -> dict:
-    """One method's line of the report from its finished runs (one per seed)."""
+def summarize_method(records: list[dict], target_delta: float = TARGET_DELTA,
+                     equal_iterations: int | None = None) -> dict:
+    """One method's line of the report from its finished runs (one per seed). With
+    ``equal_iterations``, also the gain after that many iterations (``value_at_iteration``), so
+    that methods of different cost per iteration compare per update as well as per CPU second."""
     if not records:
         raise ValueError("summarize_method needs at least one finished run")
     signatures = {json.dumps({k: v for k, v in r["signature"].items() if k != "seed"},
@@ -692,6 +711,16 @@ def summarize_method(records: list[dict], target_delta: float = TARGET_DELTA) ->
         curve["n"].append(len(values))
     artifacts = [f.get("artifacts") for f in finals]
     base_artifacts = [r["base"].get("artifacts") for r in records]
+    at_iterations = None
+    if equal_iterations is not None:
+        values = [value_at_iteration([(e["iteration"], e["accuracy"]) for e in r["evals"]],
+                                     equal_iterations) for r in records]
+        if any(v is None for v in values):
+            raise ValueError(f"equal_iterations={equal_iterations} is past the last evaluation "
+                             f"of a run of {records[0]['method']}")
+        at_iterations = {"iterations": equal_iterations,
+                         **t_interval([v - b for v, b in zip(values, bases)]),
+                         "per_seed": [v - b for v, b in zip(values, bases)]}
     return {
         "method": records[0]["method"], "label": records[0]["label"],
         "seeds": [r["seed"] for r in records], "budget": budget, "eval_interval": interval,
@@ -723,6 +752,7 @@ def summarize_method(records: list[dict], target_delta: float = TARGET_DELTA) ->
         "artifacts": {"mean": _mean_of(artifacts), "per_seed": artifacts,
                       "key": finals[0].get("artifacts_key")},
         "curve": curve,
+        "gain_at_equal_iterations": at_iterations,
         "load_average": [r.get("load_average_start") for r in records],
     }
 
@@ -764,6 +794,24 @@ def format_table(summaries: list[dict]) -> str:
             f"{_fmt(p['cpu_seconds'], '.2f')} | {_fmt(p['rollout'], '.2f')} | "
             f"{_fmt(p['update'], '.2f')} | {_fmt(p['other'], '.2f')} | "
             f"{_fmt(s['artifacts']['mean'], '.4f')} |")
+    return "\n".join(lines)
+
+
+def format_equal_iterations(summaries: list[dict]) -> str:
+    """The gain of every method after the same number of iterations (the fewest any run of the
+    report did), beside its gain at the budget: what separates per update from what separates
+    per CPU second."""
+    iterations = summaries[0]["gain_at_equal_iterations"]["iterations"]
+    lines = [f"Gain after {iterations} iterations (the fewest any run did; linear interpolation "
+             f"between evaluations), against the gain at the budget and the CPU seconds an "
+             f"iteration costs:", "",
+             f"| method | gain after {iterations} iterations [95% CI] | per seed | gain at the "
+             f"budget | CPU s / it |", "|---|---:|---:|---:|---:|"]
+    for s in summaries:
+        at = s["gain_at_equal_iterations"]
+        seeds = ", ".join(f"{v:+.3f}" for v in at["per_seed"])
+        lines.append(f"| {s['label']} | {_interval_text(at, signed=True)} | {seeds} | "
+                     f"{s['gain']['mean']:+.3f} | {_fmt(s['per_iteration']['cpu_seconds'], '.2f')} |")
     return "\n".join(lines)
 
 
@@ -980,7 +1028,10 @@ def report(out: Path, command: str = "", log: Callable[[str], None] = print) -> 
     for record in records:
         by_method.setdefault(record["method"], []).append(record)
     order = [m for m in METHODS if m in by_method] + sorted(set(by_method) - set(METHODS))
-    summaries = [summarize_method(by_method[m]) for m in order]
+    # the fewest iterations any run evaluated at its end: every method is compared there too
+    equal_iterations = min(r["evals"][-1]["iteration"] for r in records)
+    summaries = [summarize_method(by_method[m], equal_iterations=equal_iterations)
+                 for m in order]
     unfinished = sorted(p.stem for p in (out / "runs").glob("*.json")
                         if p.stem not in {r["key"] for r in records})
     first = summaries[0]
@@ -1003,6 +1054,7 @@ def report(out: Path, command: str = "", log: Callable[[str], None] = print) -> 
                    f"`{reproduce_command(records, out)}`")
     table = "\n".join(head + [format_table(summaries)])
     table += "\n\n" + format_ranking(summaries)
+    table += "\n\n" + format_equal_iterations(summaries)
     if unfinished:
         table += f"\n\nNot finished (not in the table): {', '.join(unfinished)}"
     by_name = {s["method"]: s for s in summaries}

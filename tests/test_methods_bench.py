@@ -228,6 +228,39 @@ def test_seconds_to_target_interpolates_between_evaluations(bench):
     assert bench.seconds_to_target(points, 0.46) == (None, None)
 
 
+def test_value_at_iteration_interpolates_between_evaluations(bench):
+    points = [(0, 0.30), (20, 0.40), (40, 0.35)]
+    assert bench.value_at_iteration(points, 10) == pytest.approx(0.35)
+    assert bench.value_at_iteration(points, 20) == pytest.approx(0.40)     # on an evaluation
+    assert bench.value_at_iteration(points, 30) == pytest.approx(0.375)    # on the way down
+    assert bench.value_at_iteration(points, 0) == pytest.approx(0.30)
+    assert bench.value_at_iteration(points, 41) is None                    # never got there
+
+
+def test_gain_at_equal_iterations_compares_methods_per_update(bench):
+    """A method at 10 CPU s an iteration and one at 20 (half the iterations by each evaluation):
+    after 15 iterations the gains are the interpolated accuracies minus the base, whatever the
+    cost; the table section puts them beside the gains at the budget."""
+    cheap = [_record("cheap", seed, [0.36, 0.42, 0.45]) for seed in (0, 1)]
+    costly = []
+    for seed in (0, 1):
+        record = _record("costly", seed, [0.40, 0.44, 0.46], seconds_per_it=20.0)
+        for e in record["evals"]:
+            e["iteration"] //= 2                    # 5, 10, 15 iterations at 100, 200, 300 s
+        costly.append(record)
+    summaries = [bench.summarize_method(cheap, equal_iterations=15),
+                 bench.summarize_method(costly, equal_iterations=15)]
+    assert summaries[0]["gain_at_equal_iterations"]["per_seed"] == \
+        [pytest.approx(0.39 - 0.30)] * 2                      # halfway from 0.36 (10) to 0.42 (20)
+    assert summaries[1]["gain_at_equal_iterations"]["mean"] == pytest.approx(0.46 - 0.30)
+    assert summaries[1]["gain_at_equal_iterations"]["iterations"] == 15
+    text = bench.format_equal_iterations(summaries)
+    assert "| Cheap | +0.090 [+0.090, +0.090] | +0.090, +0.090 | +0.150 | 10.00 |" in text
+    assert "| Costly | +0.160 [+0.160, +0.160] | +0.160, +0.160 | +0.160 | 20.00 |" in text
+    with pytest.raises(ValueError, match="past the last evaluation"):
+        bench.summarize_method(costly, equal_iterations=16)
+
+
 def test_median_over_seeds_counts_not_reached_as_longer(bench):
     assert bench.median_seconds([100.0, None, 300.0]) == 300.0
     assert bench.median_seconds([100.0, None, None]) is None
@@ -631,6 +664,11 @@ def test_quick_benchmark_end_to_end_writes_table_json_and_plot(bench, tmp_path):
     table = (tmp_path / "table.md").read_text()
     assert bench.TABLE_HEADER in table and "| Flash-GRPO | 2 |" in table
     assert "| Flash-GRPO: one step per trajectory" in table
+    fewest = min(json.loads(p.read_text())["evals"][-1]["iteration"]
+                 for p in (tmp_path / "runs").glob("*.json"))
+    assert f"Gain after {fewest} iterations" in table
+    assert all(s["gain_at_equal_iterations"]["iterations"] == fewest
+               for s in data["methods"].values())
     assert (tmp_path / "accuracy_vs_cpu_seconds.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads((tmp_path / "methods.json").read_text())["methods"].keys() == \
         data["methods"].keys()
