@@ -12,7 +12,7 @@ from torch import Tensor
 from flowgrpo.toyworld.editing import edit_verdict
 from reward_models.base import register_reward
 
-SCORES = ("exact", "partial", "target", "kept")
+SCORES = ("exact", "partial", "target", "kept", "recolored", "preserved")
 
 
 @register_reward("toy_edit")
@@ -20,19 +20,23 @@ class ToyEditReward:
     """Exact verifier of toy edits. ``score``: "exact" (0/1: target scene and nothing else
     moved or recoloured), "partial" (default: mean of the target's share of requirements met and
     the share of source objects kept, a signal even when no sample is fully right), or one of
-    the parts ("target", "kept")."""
+    the parts ("target", "kept", "recolored": the edited object in the asked colour at its
+    place, whatever else changed; "preserved": 1 - the mean colour change over the source's other
+    objects' pixels, graded)."""
 
     name = "toy_edit"
 
-    def __init__(self, score: Literal["exact", "partial", "target", "kept"] = "partial"):
+    def __init__(self,
+                 score: Literal["exact", "partial", "target", "kept", "recolored",
+                                "preserved"] = "partial"):
         if score not in SCORES:
             raise ValueError(f"score must be one of {SCORES} (got {score!r})")
         self.score = score
 
     def components(self, media: Tensor, prompts: list[str],
                    metadata: list[dict] | None = None) -> dict[str, Tensor]:
-        """{"exact", "partial", "target", "kept"}: (B,) float32 each, for media (B, 3, H, W) in
-        [0, 1] and metadata with "objects", "edit" and "source_image" (3, H, W) per row."""
+        """{"exact", "partial", "target", "kept", "recolored", "preserved"}: (B,) float32 each, for media
+        (B, 3, H, W) in [0, 1] and metadata with "objects", "edit" and "source_image" (3, H, W) per row."""
         if media.ndim != 4 or media.shape[1] != 3:
             raise ValueError(f"media must be images (B, 3, H, W) (got {tuple(media.shape)})")
         if metadata is None or len(metadata) != media.shape[0]:

@@ -3,6 +3,7 @@ splits and exact edit reward, an editing toy model that sees the source image, a
 replay, evaluation and grids passing the image through."""
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from flowgrpo.config import InputError, load_config
 from flowgrpo.pixels import to_uint8
 from flowgrpo.prompts import load_prompts, record_images, reward_metadata
 from flowgrpo.toyworld.editing import edit_split, render_pair
+from flowgrpo.toyworld.grammar import COLORS
 from flowgrpo.toyworld.render import draw, place_scene
 from pipelines.toy import ToyArchitecture, ToyFlowModel, build_toy_model, to_editing_model
 from reward_models.toy_edit import ToyEditReward
@@ -98,6 +100,71 @@ def test_edit_reward_sees_the_source_image():
     assert parts["kept"].tolist() == [0.5] * 6
     with pytest.raises(ValueError, match="source_image"):
         reward(torch.stack(targets), prompts, [r["metadata"] for r in two])
+
+
+def test_recolored_judges_the_edited_object_alone():
+    """``recolored`` (the edit region's own verdict) is 1 when the named object has the asked
+    colour at its place, whatever the other object does: the right edit, and the right edit with
+    the other object recoloured too (where ``target`` and ``kept`` fail); 0 for the source, the
+    other object recoloured instead, and the named object recoloured but moved 3 px."""
+    reward = ToyEditReward(score="recolored")
+    two = [r for r in load_prompts("toy:edit_heldout")
+           if r["metadata"]["family"] == "recolor_two"][:6]
+    cases = {"right": [], "both": [], "other": [], "moved": []}
+    for r in two:
+        meta = r["metadata"]
+        other = next(o for o in meta["source"]["objects"] if o["shape"] != meta["edit"]["shape"])
+        taken = {meta["edit"]["color"], *(o["color"] for o in meta["source"]["objects"])}
+        free = next(c for c in COLORS if c not in taken)
+        placed = place_scene(meta["source"], 24, np.random.default_rng(meta["layout_seed"]))
+        variants = {name: [copy.copy(p) for p in placed] for name in cases}
+        for name, scene in variants.items():
+            for p in scene:
+                if p.shape == meta["edit"]["shape"] and name != "other":
+                    p.color = meta["edit"]["color"]
+                    if name == "moved":
+                        p.cy = p.cy + (3.0 if p.cy < 12 else -3.0)
+                elif p.shape != meta["edit"]["shape"] and name in ("both", "other"):
+                    p.color = free
+            cases[name].append(torch.from_numpy(draw(scene, 24)))
+    prompts, metadata = [r["prompt"] for r in two], reward_metadata(two)
+    parts = {name: reward.components(torch.stack(images), prompts, metadata)
+             for name, images in cases.items()}
+    assert parts["right"]["recolored"].tolist() == [1.0] * 6
+    assert parts["both"]["recolored"].tolist() == [1.0] * 6
+    assert parts["both"]["target"].tolist() == [0.0] * 6
+    assert parts["both"]["kept"].tolist() == [0.5] * 6
+    assert parts["other"]["recolored"].tolist() == [0.0] * 6
+    assert parts["moved"]["recolored"].tolist() == [0.0] * 6
+    source = reward(torch.stack([r["image"] for r in two]), prompts, metadata)
+    assert source.tolist() == [0.0] * 6
+
+
+def test_preserved_is_the_colour_change_over_the_other_objects_alone():
+    """``preserved`` = 1 - mean over the record's keep_mask of max_c |output - source|: every
+    channel of every kept pixel moved by 0.2 gives 0.8 exactly, whatever happens in the edit
+    region and the background; the target gives 1; a one-object edit (nothing to keep) gives 1
+    for any output."""
+    reward = ToyEditReward(score="preserved")
+    records = load_prompts("toy:edit_heldout")
+    two = [r for r in records if r["metadata"]["family"] == "recolor_two"][:4]
+    one = [r for r in records if r["metadata"]["family"] == "recolor_one"][:2]
+    shifted, targets = [], []
+    for r in two:
+        meta = r["metadata"]
+        source, target = render_pair(meta["source"], meta["edit"], meta["layout_seed"])
+        keep = r["keep_mask"][0].numpy() > 0
+        out = np.ones_like(source)                     # edit region and background: white
+        moved = np.where(source >= 0.2, source - 0.2, source + 0.2)
+        out[:, keep] = moved[:, keep]
+        shifted.append(torch.from_numpy(out))
+        targets.append(torch.from_numpy(target))
+    prompts, metadata = [r["prompt"] for r in two], reward_metadata(two)
+    assert reward(torch.stack(shifted), prompts, metadata).tolist() == \
+        pytest.approx([0.8] * 4, abs=1e-6)
+    assert reward(torch.stack(targets), prompts, metadata).tolist() == [1.0] * 4
+    noise = torch.rand(2, 3, 24, 24, generator=torch.Generator().manual_seed(0))
+    assert reward(noise, [r["prompt"] for r in one], reward_metadata(one)).tolist() == [1.0] * 2
 
 
 def test_changing_only_the_source_image_changes_the_output(edit_model, edit_dir):

@@ -142,12 +142,44 @@ def edit_verdict(output: np.ndarray, source: np.ndarray, metadata: dict,
     ``target``: 1 when the output is the target scene exactly (``verify``: shapes, colours,
     counts, no extra objects); ``kept``: share of the source's objects still at their place (the
     edited one by shape, the others by shape and colour, centroids within ``tolerance`` px scaled
-    with H); ``exact``: target and every object kept; ``partial``: the mean of the target's share
-    of requirements met and ``kept``."""
+    with H); ``recolored``: 1 when the edited object is at its place in the asked colour, whatever
+    the rest of the scene does (the verdict on the edit region alone, where ``target`` also fails
+    when another object changes); ``preserved``: 1 - the mean over the source's other objects'
+    pixels (``keep_mask`` of the record's layout) of the largest channel difference between output
+    and source, a graded preservation score that varies within a group even when ``kept`` does
+    not (1 when the edit leaves nothing else, as in one-object scenes); ``exact``: target and
+    every object kept; ``partial``: the mean of the target's share of requirements met and
+    ``kept``."""
     target = verify(detect_objects(output), metadata)
-    scale = output.shape[-1] / 24.0
-    found, total = _kept(detect_objects(source), detect_objects(output), metadata["edit"],
-                         tolerance * scale)
+    tolerance = tolerance * output.shape[-1] / 24.0
+    source_objects, output_objects = detect_objects(source), detect_objects(output)
+    found, total = _kept(source_objects, output_objects, metadata["edit"], tolerance)
     kept = found / max(total, 1)
     return {"exact": float(target.exact == 1.0 and found == total),
-            "partial": 0.5 * (target.partial + kept), "target": target.exact, "kept": kept}
+            "partial": 0.5 * (target.partial + kept), "target": target.exact, "kept": kept,
+            "recolored": _recolored(source_objects, output_objects, metadata["edit"], tolerance),
+            "preserved": _preserved(output, source, metadata)}
+
+
+def _recolored(source_objects: list[DetectedObject], output_objects: list[DetectedObject],
+               edit: dict, tolerance: float) -> float:
+    """1.0 when an output object of the edited shape, in the edit's colour, lies within
+    ``tolerance`` px of the edited source object's centroid; else 0.0 (also when the source has
+    no object of that shape: nothing to recolour)."""
+    return float(any(
+        o.shape == edit["shape"] and o.color == edit["color"]
+        and abs(o.cx - obj.cx) <= tolerance and abs(o.cy - obj.cy) <= tolerance
+        for obj in source_objects if obj.shape == edit["shape"] for o in output_objects))
+
+
+def _preserved(output: np.ndarray, source: np.ndarray, metadata: dict) -> float:
+    """1 - mean over the keep region of max_c |output - source| (images (3, H, W) in [0, 1]); the
+    keep region is the record's (``keep_mask`` of ``render_pair``'s layout, redrawn from
+    ``metadata["source"]``, ``["edit"]`` and ``["layout_seed"]`` at the output's size). 1.0 when
+    the region is empty."""
+    size = output.shape[-1]
+    drawn, target = render_pair(metadata["source"], metadata["edit"], metadata["layout_seed"], size)
+    keep = keep_mask(drawn, edit_mask(drawn, target))[0] > 0
+    if not keep.any():
+        return 1.0
+    return float(1.0 - np.abs(output - source).max(axis=0)[keep].mean())
