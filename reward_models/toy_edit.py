@@ -35,8 +35,9 @@ class ToyEditReward:
 
     def components(self, media: Tensor, prompts: list[str],
                    metadata: list[dict] | None = None) -> dict[str, Tensor]:
-        """{"exact", "partial", "target", "kept", "recolored", "preserved"}: (B,) float32 each, for media
-        (B, 3, H, W) in [0, 1] and metadata with "objects", "edit" and "source_image" (3, H, W) per row."""
+        """{"exact", "partial", "target", "kept", "recolored", "preserved"}: (B,) float32 each,
+        for media (B, 3, H, W) in [0, 1] and metadata with "objects", "edit", "source_image"
+        (3, H, W), and for "preserved" the toy record's "source" and "layout_seed", per row."""
         if media.ndim != 4 or media.shape[1] != 3:
             raise ValueError(f"media must be images (B, 3, H, W) (got {tuple(media.shape)})")
         if metadata is None or len(metadata) != media.shape[0]:

@@ -165,6 +165,9 @@ def test_preserved_is_the_colour_change_over_the_other_objects_alone():
     assert reward(torch.stack(targets), prompts, metadata).tolist() == [1.0] * 4
     noise = torch.rand(2, 3, 24, 24, generator=torch.Generator().manual_seed(0))
     assert reward(noise, [r["prompt"] for r in one], reward_metadata(one)).tolist() == [1.0] * 2
+    bare = [{k: v for k, v in m.items() if k != "layout_seed"} for m in metadata]
+    with pytest.raises(ValueError, match=r"preserved score .*'layout_seed'"):
+        reward(torch.stack(targets), prompts, bare)
 
 
 def test_changing_only_the_source_image_changes_the_output(edit_model, edit_dir):

@@ -177,6 +177,10 @@ def _preserved(output: np.ndarray, source: np.ndarray, metadata: dict) -> float:
     keep region is the record's (``keep_mask`` of ``render_pair``'s layout, redrawn from
     ``metadata["source"]``, ``["edit"]`` and ``["layout_seed"]`` at the output's size). 1.0 when
     the region is empty."""
+    missing = [k for k in ("source", "edit", "layout_seed") if k not in metadata]
+    if missing:
+        raise ValueError(f"the preserved score redraws the record's layout and needs metadata "
+                         f"{missing}: use toy:edit_* records (flowgrpo.toyworld.editing.edit_split)")
     size = output.shape[-1]
     drawn, target = render_pair(metadata["source"], metadata["edit"], metadata["layout_seed"], size)
     keep = keep_mask(drawn, edit_mask(drawn, target))[0] > 0
