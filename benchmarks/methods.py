@@ -810,8 +810,9 @@ def format_equal_iterations(summaries: list[dict]) -> str:
     for s in summaries:
         at = s["gain_at_equal_iterations"]
         seeds = ", ".join(f"{v:+.3f}" for v in at["per_seed"])
+        per_iteration = _fmt(s["per_iteration"]["cpu_seconds"], ".2f")
         lines.append(f"| {s['label']} | {_interval_text(at, signed=True)} | {seeds} | "
-                     f"{s['gain']['mean']:+.3f} | {_fmt(s['per_iteration']['cpu_seconds'], '.2f')} |")
+                     f"{s['gain']['mean']:+.3f} | {per_iteration} |")
     return "\n".join(lines)
 
 
