@@ -91,6 +91,16 @@ def keep_mask(source: np.ndarray, edit_region: np.ndarray) -> np.ndarray:
     return (foreground & (edit_region == 0)).astype(np.float32)
 
 
+def layout_regions(source: dict, edit: dict, seed: int, size: int = 24
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(source image (3, size, size), edit region, keep region (1, size, size) of 0/1) of one
+    seeded layout: ``render_pair``'s source, ``edit_mask`` and ``keep_mask``. The records'
+    "image" / "mask" / "keep_mask", and what the ``preserved`` score redraws from metadata."""
+    image, target_image = render_pair(source, edit, seed, size)
+    region = edit_mask(image, target_image)
+    return image, region, keep_mask(image, region)
+
+
 def edit_split(split: str) -> list[dict]:
     """Edit records of ``split`` ("edit_train" or "edit_heldout"), with ``image`` a float32 torch
     tensor (3, 24, 24) in [0, 1], ``mask`` its exact edit region (``edit_mask``, (1, 24, 24)) and
@@ -107,14 +117,13 @@ def edit_split(split: str) -> list[dict]:
         rng = random.Random(f"{EDIT_SEED}-{item['prompt']}")
         edit = choose_edit(source, rng)
         seed = rng.randrange(2 ** 31)
-        image, target_image = render_pair(source, edit, seed)
+        image, region, keep = layout_regions(source, edit, seed)
         target = apply_edit(source, edit)
-        region = edit_mask(image, target_image)
         records.append({
             "prompt": instruction(edit),
             "image": torch.from_numpy(image),
             "mask": torch.from_numpy(region),
-            "keep_mask": torch.from_numpy(keep_mask(image, region)),
+            "keep_mask": torch.from_numpy(keep),
             "metadata": {"family": EDIT_FAMILIES[source["family"]], "task": "edit",
                          "objects": target["objects"], "relation": target.get("relation"),
                          "source": source, "edit": edit, "layout_seed": seed}})
@@ -130,8 +139,7 @@ def _kept(source_objects: list[DetectedObject], output_objects: list[DetectedObj
     for obj in source_objects:
         edited = obj.shape == edit["shape"]
         found += any(o.shape == obj.shape and (edited or o.color == obj.color)
-                     and abs(o.cx - obj.cx) <= tolerance and abs(o.cy - obj.cy) <= tolerance
-                     for o in output_objects)
+                     and _near(o, obj, tolerance) for o in output_objects)
     return found, len(source_objects)
 
 
@@ -166,10 +174,15 @@ def _recolored(source_objects: list[DetectedObject], output_objects: list[Detect
     """1.0 when an output object of the edited shape, in the edit's colour, lies within
     ``tolerance`` px of the edited source object's centroid; else 0.0 (also when the source has
     no object of that shape: nothing to recolour)."""
-    return float(any(
-        o.shape == edit["shape"] and o.color == edit["color"]
-        and abs(o.cx - obj.cx) <= tolerance and abs(o.cy - obj.cy) <= tolerance
-        for obj in source_objects if obj.shape == edit["shape"] for o in output_objects))
+    return float(any(o.shape == edit["shape"] and o.color == edit["color"]
+                     and _near(o, obj, tolerance)
+                     for obj in source_objects if obj.shape == edit["shape"]
+                     for o in output_objects))
+
+
+def _near(a: DetectedObject, b: DetectedObject, tolerance: float) -> bool:
+    """The two centroids within ``tolerance`` px of each other on both axes."""
+    return abs(a.cx - b.cx) <= tolerance and abs(a.cy - b.cy) <= tolerance
 
 
 def _preserved(output: np.ndarray, source: np.ndarray, metadata: dict) -> float:
@@ -180,10 +193,10 @@ def _preserved(output: np.ndarray, source: np.ndarray, metadata: dict) -> float:
     missing = [k for k in ("source", "edit", "layout_seed") if k not in metadata]
     if missing:
         raise ValueError(f"the preserved score redraws the record's layout and needs metadata "
-                         f"{missing}: use toy:edit_* records (flowgrpo.toyworld.editing.edit_split)")
-    size = output.shape[-1]
-    drawn, target = render_pair(metadata["source"], metadata["edit"], metadata["layout_seed"], size)
-    keep = keep_mask(drawn, edit_mask(drawn, target))[0] > 0
+                         f"{missing}: use toy:edit_* records (toyworld.editing.edit_split)")
+    _, _, keep = layout_regions(metadata["source"], metadata["edit"], metadata["layout_seed"],
+                                output.shape[-1])
+    keep = keep[0] > 0
     if not keep.any():
         return 1.0
     return float(1.0 - np.abs(output - source).max(axis=0)[keep].mean())
