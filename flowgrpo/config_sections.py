@@ -417,6 +417,12 @@ class LocalityConfig:
         "'record', elements in neither region (the toy's empty background) are left out of the "
         "surrogate and the two regions share each sample's weight by their sizes "
         "(sde.region_log_probs).", default="rest")
+    keep_kl_beta: float = _help(
+        "Weight of a KL to the reference policy over the preservation region only (the "
+        "keep_region's elements; losses.region_flow_kl under training.kl_convention), >= 0: "
+        "holds the part of the image an edit should leave alone at what the untuned model draws "
+        "there, while the edit region trains free of it (training.kl_beta pulls on both). 0 = off.",
+        default=0.0)
 
     @property
     def enabled(self) -> bool:
@@ -435,7 +441,12 @@ class LocalityConfig:
                      meaning=" (the edit region's weight; None = its area share)")
         in_range(self.difference_threshold, 0.0, 1.0, "training.locality.difference_threshold",
                  low_open=True, high_open=True, meaning=" (images are in [0, 1])")
+        positive(self.keep_kl_beta, "training.locality.keep_kl_beta", allow_zero=True)
         if not self.enabled:
+            if self.keep_kl_beta > 0:
+                raise ConfigError("training.locality.keep_kl_beta is set but training.locality."
+                                  "mask is 'off', so there is no preservation region: set mask "
+                                  "to 'record' or 'difference', or use training.kl_beta")
             if self.edit_weight is not None:
                 raise ConfigError("training.locality.edit_weight is set but training.locality.mask "
                                   "is 'off', so there are no regions to weigh: set mask to "

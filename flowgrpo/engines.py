@@ -91,11 +91,15 @@ def check_engine(config: TrainConfig, accelerator) -> bool:
             raise ConfigError(f"training.ema is not supported under {engine} with sharded "
                               f"parameters (each process holds a shard): set training.ema."
                               f"enabled: false or use DDP / DeepSpeed ZeRO-2")
-        if (t.kl_beta > 0 or t.kl_reward > 0) and not config.model.lora.enabled:
-            raise ConfigError(f"training.kl_beta > 0 with full fine-tuning keeps an unsharded "
-                              f"reference copy of the model on every process under {engine}: "
+        reference_terms = [name for name, value in (
+            ("kl_beta", t.kl_beta), ("kl_reward", t.kl_reward),
+            ("locality.keep_kl_beta", t.locality.keep_kl_beta)) if value > 0]
+        if reference_terms and not config.model.lora.enabled:
+            raise ConfigError(f"training.{reference_terms[0]} > 0 with full fine-tuning keeps "
+                              f"an unsharded reference copy of the model on every process under "
+                              f"{engine}: "
                               f"use LoRA (the reference is the model without its adapter) or "
-                              f"kl_beta: 0 and kl_reward: 0")
+                              f"kl_beta: 0, kl_reward: 0 and locality.keep_kl_beta: 0")
         if t.gardo.refresh:
             raise ConfigError(f"training.gardo.refresh_every / refresh_kl snapshot the trainable "
                               f"weights, which {engine} shards over the processes: set both to 0 "

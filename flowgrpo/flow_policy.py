@@ -26,8 +26,9 @@ from flowgrpo.guards import check_gate_keys, check_guard_keys, loaded_reward_key
 from flowgrpo.heldout import load_eval_rewards
 from flowgrpo.losses import (batch_mean_dt_weights, check_weights, fixed_region_shares, flow_kl,
                              gated_kl, guard_log_ratio, guard_step_weights, policy_loss,
-                             rectification_weights, region_policy_loss, signal_region_shares,
-                             std_over_sqrt_dt_weights, surrogate_stats, velocity_anchor)
+                             rectification_weights, region_flow_kl, region_policy_loss,
+                             signal_region_shares, std_over_sqrt_dt_weights, surrogate_stats,
+                             velocity_anchor)
 from flowgrpo.plans import make_plan, sample_trained_steps
 from flowgrpo.policy import Through, float32_trainable, frozen_reference, swapped_attribute
 from flowgrpo.prompts import (record_images, record_keep_masks, record_masks,
@@ -473,20 +474,49 @@ class FlowPolicy(FlowEvaluation):
                       "ratio_max_dev": torch.expm1(raw_log_ratio).abs().max(),
                       "policy_loss": loss.detach()}
         gate = batch.kl_weights
+        mean_ref = None
         if t.kl_beta > 0 and gate is None:
-            with torch.no_grad(), self.reference_policy():
-                _, mean_ref = replay_logp(self.model, replay, cond, settings)
+            mean_ref = self.reference_mean(replay, cond, settings)
             kl = flow_kl(mean, mean_ref, self.kl_std(replay)).mean()
             loss = loss + t.kl_beta * kl
             record["kl"] = kl.detach()
         elif t.kl_beta > 0:
             loss = self._gated_kl_loss(loss, record, replay, cond, settings, mean,
                                        gate[replay.rows.to(gate.device)])
+        if t.locality.keep_kl_beta > 0:
+            if mean_ref is None:
+                mean_ref = self.reference_mean(replay, cond, settings)
+            keep_region = self.keep_region(batch, replay, mean.device)
+            row_kl = region_flow_kl(mean, mean_ref, self.kl_std(replay), keep_region)
+            # The mean over the rows that have something to keep (a one-object toy edit has
+            # not), so beta's strength does not depend on the batch's mix of edits.
+            has_region = keep_region.flatten(1).sum(dim=1) > 0
+            keep_kl = gated_kl(row_kl, has_region.to(row_kl.dtype))
+            loss = loss + t.locality.keep_kl_beta * keep_kl
+            record["keep_kl"] = keep_kl.detach()
         if t.anchor_beta > 0 and replay.anchors:
             anchor = self.anchor_penalty(batch, replay.anchors, settings)
             loss = loss + t.anchor_beta * anchor
             record["anchor"] = anchor.detach()
         return loss, record
+
+    def reference_mean(self, replay, cond, settings: RolloutSettings) -> Tensor:
+        """(B, ...) the replay's transition means under the reference policy (no gradient)."""
+        with torch.no_grad(), self.reference_policy():
+            _, mean_ref = replay_logp(self.model, replay, cond, settings)
+        return mean_ref
+
+    def keep_region(self, batch: RolloutBatch, replay, device: torch.device) -> Tensor:
+        """The replay rows' preservation-region weights on ``device``, broadcastable to the
+        latents: where the preservation advantage acts (``training.locality.keep_region``), the
+        records' keep masks outside the edit region, or the whole rest: the weights
+        ``sde.region_log_probs`` gives its second part."""
+        masks = batch.region_masks
+        edit = masks.index_select(0, replay.rows.to(masks.device)).to(device)
+        keep = batch.keep_masks
+        if keep is None:
+            return 1.0 - edit
+        return keep.index_select(0, replay.rows.to(keep.device)).to(device) * (1.0 - edit)
 
     def _region_loss(self, batch: RolloutBatch, replay, mean: Tensor, adv: Tensor,
                      clip_high: float, weights: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
@@ -571,6 +601,8 @@ class FlowPolicy(FlowEvaluation):
             stats["kl"] = rows["kl"].float().mean()
         if "anchor" in rows:
             stats["anchor"] = rows["anchor"].float().mean()
+        if "keep_kl" in rows:
+            stats["keep_kl"] = rows["keep_kl"].float().mean()
         return stats
 
     # ------------------------------------------------------------------ weights

@@ -17,6 +17,7 @@ Flow transitions
     ``signal_region_shares``   its region weights over the regions whose advantage is not 0
     ``rectification_weights``  Flash-GRPO temporal rectification kappa
     ``flow_kl``                KL to the reference policy per dim
+    ``region_flow_kl``         the same over a region of the latents (an edit's keep region)
     ``gated_kl``               the KL's mean over the rows a gate lets in (GARDO)
 
 Language-model tokens
@@ -451,6 +452,43 @@ def flow_kl(mean: Tensor, mean_ref: Tensor, std: Tensor) -> Tensor:
     dtype = _compute_dtype(mean, std)
     std = std.detach().to(dtype)
     return _mean_over_dims((mean.to(dtype) - mean_ref.detach().to(dtype)) ** 2) / (2 * std ** 2)
+
+
+def region_flow_kl(mean: Tensor, mean_ref: Tensor, std: Tensor, region: Tensor) -> Tensor:
+    """``flow_kl`` over a region of the latents only, (B,):
+
+        sum_d w_d (mean_d - mean_ref_d)^2 / (2 std^2 sum_d w_d)
+
+    with region weights w_d in [0, 1] (``training.locality.keep_kl_beta``: the preservation
+    region, where an edit should leave the image as the reference policy draws it). The
+    Gaussian factorises over elements, so this is the KL of the region's elements per element;
+    with w = 1 everywhere it is ``flow_kl``. A row with an empty region (sum_d w_d = 0: a
+    one-object toy edit has nothing to keep) is 0 and gives no gradient.
+
+    Args:
+        mean: (B, ...) transition mean under the policy (carries the gradient).
+        mean_ref: (B, ...) under the reference policy (detached).
+        std: (B,) the std the KL divides by (``flow_kl``'s conventions), > 0.
+        region: weights broadcastable to ``mean`` (e.g. (B, 1, H, W) for (B, C, H, W)).
+    """
+    if mean.dim() < 2:
+        raise ValueError(f"mean must have shape (B, ...) (got {tuple(mean.shape)})")
+    _check_shape(mean_ref, "mean_ref", tuple(mean.shape), "mean's shape")
+    _check_shape(std, "std", (mean.shape[0],), "(B,)")
+    dtype = _compute_dtype(mean, std)
+    try:
+        weights = torch.broadcast_to(region.detach().to(device=mean.device, dtype=dtype),
+                                     mean.shape)
+    except RuntimeError:
+        raise ValueError(f"region shape {tuple(region.shape)} does not broadcast to the latents "
+                         f"{tuple(mean.shape)}") from None
+    if bool((weights < 0).any()) or bool((weights > 1).any()):
+        raise ValueError("region weights must be in [0, 1]")
+    squared = (mean.to(dtype) - mean_ref.detach().to(dtype)) ** 2
+    sums = (weights * squared).reshape(mean.shape[0], -1).sum(dim=1)
+    sizes = weights.reshape(mean.shape[0], -1).sum(dim=1)
+    std = std.detach().to(dtype)
+    return sums / (2 * std ** 2 * sizes.clamp(min=torch.finfo(dtype).tiny))
 
 
 def gated_kl(kl: Tensor, weights: Tensor) -> Tensor:

@@ -163,10 +163,12 @@ def float32_trainable(module: nn.Module) -> dict[str, nn.Parameter]:
 def frozen_reference(config: TrainConfig, module: nn.Module) -> nn.Module | None:
     """The KL reference for full fine-tuning (there is no adapter to disable): a frozen copy of
     the initial module (``training.gardo.refresh_every`` copies later weights into it). None when
-    nothing compares with a reference (kl_beta, kl_reward and anchor_beta all 0) or LoRA
-    provides the reference."""
+    nothing compares with a reference (kl_beta, kl_reward, anchor_beta and
+    locality.keep_kl_beta all 0) or LoRA provides the reference."""
     t = config.training
-    if (t.kl_beta > 0 or t.kl_reward > 0 or t.anchor_beta > 0) and not config.model.lora.enabled:
+    uses_reference = (t.kl_beta > 0 or t.kl_reward > 0 or t.anchor_beta > 0
+                      or t.locality.keep_kl_beta > 0)
+    if uses_reference and not config.model.lora.enabled:
         return copy.deepcopy(module).requires_grad_(False)
     return None
 

@@ -15,7 +15,7 @@ from flowgrpo.config import ConfigError
 from flowgrpo.engines import (check_engine, preflight_engine, replica_checksums,
                               set_gradient_sync)
 from flowgrpo.trainer import NonFiniteGradientError, Trainer, window_lengths
-from tests.helpers import tiny_config
+from tests.helpers import edit_config, tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -204,6 +204,12 @@ def test_what_a_sharded_engine_cannot_do_fails_at_start(tiny_sd3_path, tmp_path)
                           "model.lora.enabled=false")
     with pytest.raises(ConfigError, match="unsharded reference copy"):
         check_engine(kl_full, fake_accelerator("deepspeed", zero_stage=3))
+    keep_kl_full = edit_config("assets/toy_edit", tmp_path, "training.locality.mask=record",
+                               "training.locality.edit_key=toy_edit.target",
+                               "training.locality.keep_key=toy_edit.kept",
+                               "training.locality.keep_kl_beta=0.1")
+    with pytest.raises(ConfigError, match="training.locality.keep_kl_beta > 0 with full fine"):
+        check_engine(keep_kl_full, fake_accelerator("fsdp"))
     accumulating = fake_accelerator("deepspeed")
     accumulating.state.deepspeed_plugin.deepspeed_config["gradient_accumulation_steps"] = 4
     with pytest.raises(ConfigError, match="gradient_accumulation_steps"):

@@ -15,8 +15,8 @@ from PIL import Image
 from flowgrpo.advantages import group_advantages, region_advantages
 from flowgrpo.config import ConfigError
 from flowgrpo.edit_regions import difference_mask, downsample_mask
-from flowgrpo.losses import (fixed_region_shares, policy_loss, region_policy_loss,
-                             signal_region_shares)
+from flowgrpo.losses import (fixed_region_shares, flow_kl, policy_loss, region_flow_kl,
+                             region_policy_loss, signal_region_shares)
 from flowgrpo.prompts import load_prompts
 from flowgrpo.sde import region_log_probs, score_step, transition
 from flowgrpo.toyworld.editing import render_pair
@@ -270,6 +270,56 @@ def test_a_keep_region_leaves_the_elements_no_reward_speaks_for_out():
         region_log_probs(out.prev_sample - out.mean, out.gaussian, mask, torch.ones(5, 5))
 
 
+def test_a_region_kl_over_every_element_is_the_flow_kl():
+    generator = torch.Generator().manual_seed(3)
+    mean = torch.randn(SHAPE, generator=generator)
+    mean_ref = torch.randn(SHAPE, generator=generator)
+    std = torch.rand(SHAPE[0], generator=generator) + 0.1
+    ones = torch.ones((SHAPE[0], 1, *SHAPE[2:]))
+    torch.testing.assert_close(region_flow_kl(mean, mean_ref, std, ones),
+                               flow_kl(mean, mean_ref, std))
+
+
+def test_a_region_kl_is_the_regions_kl_per_element_and_pulls_only_there():
+    """Means 0.3 from the reference inside the region and 5 outside, std 0.5: the region's KL
+    per element is 0.3^2 / (2 * 0.25) = 0.18 whatever happens outside; the gradient is
+    (mean - mean_ref) / (std^2 |region|) inside and exactly 0 outside; a row without region 0."""
+    mask = random_mask(4)
+    mask[-1] = 0.0
+    mean_ref = torch.zeros(SHAPE)
+    mean = torch.where(mask.bool().expand(SHAPE), 0.3, 5.0).requires_grad_(True)
+    std = torch.full((SHAPE[0],), 0.5)
+    kl = region_flow_kl(mean, mean_ref, std, mask)
+    expected = torch.tensor([0.18] * (SHAPE[0] - 1) + [0.0])
+    torch.testing.assert_close(kl, expected)
+    kl.sum().backward()
+    region = mask.expand(SHAPE)
+    sizes = region.flatten(1).sum(dim=1).clamp(min=1)
+    torch.testing.assert_close(mean.grad, region * 0.3 / (0.25 * sizes[:, None, None, None]))
+    assert mean.grad[region == 0].abs().max().item() == 0.0
+
+
+def test_a_soft_region_kl_weighs_each_element_by_its_weight():
+    generator = torch.Generator().manual_seed(5)
+    mean = torch.randn(SHAPE, generator=generator)
+    mean_ref = torch.randn(SHAPE, generator=generator)
+    std = torch.rand(SHAPE[0], generator=generator) + 0.1
+    weights = random_mask(6, soft=True)
+    full = weights.expand(SHAPE)
+    squared = (mean - mean_ref) ** 2
+    expected = (full * squared).flatten(1).sum(1) / full.flatten(1).sum(1) / (2 * std ** 2)
+    torch.testing.assert_close(region_flow_kl(mean, mean_ref, std, weights), expected)
+
+
+def test_a_region_kl_refuses_bad_regions():
+    mean = torch.zeros(SHAPE)
+    std = torch.ones(SHAPE[0])
+    with pytest.raises(ValueError, match="does not broadcast"):
+        region_flow_kl(mean, mean, std, torch.ones(SHAPE[0], 1, 5, 5))
+    with pytest.raises(ValueError, match="must be in \\[0, 1\\]"):
+        region_flow_kl(mean, mean, std, torch.full((SHAPE[0], 1, 8, 8), 1.5))
+
+
 def test_toy_edit_records_keep_the_other_objects_pixels():
     """keep_mask: the source's object pixels outside the edit region, so the two regions are
     disjoint and together the source's foreground; a one-object scene has nothing to keep."""
@@ -400,6 +450,7 @@ def locality_config(path: str, tmp_path: Path, *overrides: str):
     (["training.locality.silent_share=drop"], "training.locality.silent_share must be one of"),
     (["training.locality.keep_region=outside"], "training.locality.keep_region must be one of"),
     (["training.locality.difference_threshold=1.5"], "difference_threshold must be in"),
+    (["training.locality.keep_kl_beta=-0.1"], "training.locality.keep_kl_beta must be >= 0"),
     (["rewards.aggregation=decoupled"], "rewards.aggregation: decoupled"),
     (["training.ratio_norm=true"], "training.ratio_norm"),
     (["training.gardo.diversity=true"], "training.gardo.diversity"),
@@ -418,6 +469,8 @@ def test_an_edit_weight_without_regions_is_refused():
         LocalityConfig(mask="off", silent_share="reassign").validate()
     with pytest.raises(ConfigError, match="keep_region is 'record' but training.locality.mask"):
         LocalityConfig(mask="off", keep_region="record").validate()
+    with pytest.raises(ConfigError, match="keep_kl_beta is set but training.locality.mask"):
+        LocalityConfig(mask="off", keep_kl_beta=0.1).validate()
     LocalityConfig(mask="off").validate()
 
 
@@ -494,6 +547,55 @@ def test_an_editing_iteration_with_locality(mask, edit_weight, silent_share, kee
         # and splits by the records' keep masks exactly when keep_region asks for them
         assert len(keeps) > 0 and all((k is not None) == (keep_region == "record")
                                       for k in keeps)
+
+
+@pytest.mark.parametrize("keep_region", ["rest", "record"])
+def test_a_keep_region_kl_holds_the_rest_at_the_reference(keep_region, edit_dir, tmp_path,
+                                                           monkeypatch):
+    """training.locality.keep_kl_beta: full fine-tuning keeps a frozen reference for it; each
+    replay batch's KL runs over the preservation region (the records' keep masks outside the
+    edit region, or the whole rest), is exactly 0 before the first optimizer step (the policy is
+    the reference), and enters the loss as beta times its mean over the rows with a region."""
+    import flowgrpo.flow_policy as flow_policy
+    from flowgrpo.trainer import Trainer
+
+    calls = []
+    original = flow_policy.region_flow_kl
+
+    def recording(mean, mean_ref, std, region):
+        out = original(mean, mean_ref, std, region)
+        calls.append((region.detach().clone(), out.detach().clone()))
+        return out
+
+    monkeypatch.setattr(flow_policy, "region_flow_kl", recording)
+    trainer = Trainer(locality_config(edit_dir, tmp_path, "training.locality.keep_kl_beta=0.5",
+                                      f"training.locality.keep_region={keep_region}",
+                                      "training.gradient_accumulation_steps=1",
+                                      "sampling.rollout_batch_size=2"))
+    assert trainer.policy.reference_module is not None
+    regions = []
+    keep_region_of = trainer.policy.keep_region
+
+    def recording_region(batch, replay, device):
+        out = keep_region_of(batch, replay, device)
+        edit = batch.region_masks[replay.rows]
+        expected = (1.0 - edit if keep_region == "rest"
+                    else batch.keep_masks[replay.rows] * (1.0 - edit))
+        regions.append((out, expected))
+        return out
+
+    monkeypatch.setattr(trainer.policy, "keep_region", recording_region)
+    metrics = trainer.run_iteration(0)
+    assert len(calls) == len(regions) == metrics["train/replay_batches"] >= 2
+    for (region, kl), (out, expected) in zip(calls, regions):
+        assert torch.equal(region, out) and torch.equal(out, expected)
+    assert calls[0][1].abs().max().item() == 0.0
+    assert max(kl.max().item() for _, kl in calls[1:]) > 0.0
+    # each batch's term: the mean over its rows that have a region (one-object toy edits have
+    # nothing to keep), and the update reports the batches' mean
+    terms = [kl.sum() / (region.flatten(1).sum(1) > 0).sum().clamp(min=1) for region, kl in calls]
+    torch.testing.assert_close(torch.tensor(metrics["train/keep_kl"]),
+                               torch.stack(terms).mean().float())
 
 
 def test_record_masks_are_required_at_start(edit_dir, tmp_path):
