@@ -817,6 +817,68 @@ def format_equal_iterations(summaries: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def gain_at_paced_budget(records: list[dict], seconds_per_iteration: float,
+                         cpu_budget: float) -> dict:
+    """The gain of a method's runs at ``cpu_budget`` CPU seconds spent at another measurement's
+    pace: after ``cpu_budget / seconds_per_iteration`` iterations (``value_at_iteration`` on each
+    run). CPU seconds per iteration vary from day to day on a shared machine (1.5-1.8x on this
+    one), so runs measured on another day, or stopped by an iteration cap, compare with a table
+    at the budget the table would have spent. A run whose last evaluation comes before that
+    iteration gives None; the mean and interval are over the others (None when none got there)."""
+    if not (seconds_per_iteration > 0 and cpu_budget > 0):
+        raise ValueError(f"seconds_per_iteration and cpu_budget must be > 0 (got "
+                         f"{seconds_per_iteration}, {cpu_budget})")
+    iterations = cpu_budget / seconds_per_iteration
+    per_seed = []
+    for record in sorted(records, key=lambda r: r["seed"]):
+        value = value_at_iteration([(e["iteration"], e["accuracy"]) for e in record["evals"]],
+                                   iterations)
+        per_seed.append(None if value is None else value - record["base"]["accuracy"])
+    reached = [v for v in per_seed if v is not None]
+    stats = (t_interval(reached) if reached else
+             {"mean": None, "low": None, "high": None, "half_width": None, "n": 0, "sd": None})
+    return {"cpu_budget": cpu_budget, "seconds_per_iteration": seconds_per_iteration,
+            "iterations": iterations, **stats, "per_seed": per_seed}
+
+
+def paced_budgets(summaries: list[dict], by_method: dict[str, list[dict]], pace_file: Path,
+                  cpu_budget: float) -> dict[str, dict | None]:
+    """``gain_at_paced_budget`` of every method of a report at the CPU seconds per iteration
+    that ``pace_file`` (another report's methods.json) measured for it; None for a method that
+    report does not have."""
+    if not Path(pace_file).is_file():
+        raise ValueError(f"--pace-from {pace_file}: no such file (give the methods.json that "
+                         f"--report wrote for the report whose pace to use)")
+    pace = json.loads(Path(pace_file).read_text())["methods"]
+    out = {}
+    for s in summaries:
+        seconds = (pace.get(s["method"]) or {}).get("per_iteration", {}).get("cpu_seconds")
+        out[s["method"]] = (None if seconds is None else
+                            gain_at_paced_budget(by_method[s["method"]], seconds, cpu_budget))
+    return out
+
+
+def format_paced_budget(summaries: list[dict], paced: dict[str, dict | None], cpu_budget: float,
+                        pace_file: str) -> str:
+    """The section of ``paced_budgets``: each method's iterations and gain at the budget."""
+    lines = [f"Gain at {cpu_budget:g} CPU seconds at the pace of `{pace_file}` (each method "
+             f"after {cpu_budget:g} / its CPU seconds per iteration there; linear interpolation "
+             f"between evaluations; '-' past a run's last evaluation or a method that report "
+             f"does not have):", "",
+             "| method | CPU s / it there | iterations | gain [95% CI] | per seed |",
+             "|---|---:|---:|---:|---:|"]
+    for s in summaries:
+        at = paced[s["method"]]
+        if at is None:
+            lines.append(f"| {s['label']} | - | - | - | - |")
+            continue
+        seeds = ", ".join("-" if v is None else f"{v:+.3f}" for v in at["per_seed"])
+        gain = "-" if at["mean"] is None else _interval_text(at, signed=True)
+        lines.append(f"| {s['label']} | {at['seconds_per_iteration']:.2f} | "
+                     f"{at['iterations']:.0f} | {gain} | {seeds} |")
+    return "\n".join(lines)
+
+
 def plot_curves(summaries: list[dict], path: Path, target_delta: float = TARGET_DELTA) -> Path:
     """Held-out accuracy against training CPU seconds: each method's mean over seeds as a line,
     the min-max over seeds as a band; the base and base + target as grey lines."""
@@ -1019,9 +1081,15 @@ def reproduce_command(records: list[dict], out: Path) -> str:
     return " ".join(parts)
 
 
-def report(out: Path, command: str = "", log: Callable[[str], None] = print) -> dict | None:
+def report(out: Path, command: str = "", log: Callable[[str], None] = print,
+           pace_file: Path | None = None, at_cpu: float | None = None) -> dict | None:
     """Aggregate every finished run in ``<out>/runs`` into table.md, methods.json and
-    accuracy_vs_cpu_seconds.png. Returns the JSON's content (None when nothing is finished)."""
+    accuracy_vs_cpu_seconds.png. Returns the JSON's content (None when nothing is finished).
+    With ``pace_file`` and ``at_cpu``, also every method's gain at ``at_cpu`` CPU seconds at the
+    pace that report measured (``paced_budgets``)."""
+    if (pace_file is None) != (at_cpu is None):
+        raise ValueError("--pace-from and --at-cpu go together: the budget is in the CPU seconds "
+                         "of the report the pace comes from")
     records = finished_records(out)
     if not records:
         log(f"no finished runs in {out / 'runs'}: nothing to report")
@@ -1057,6 +1125,13 @@ def report(out: Path, command: str = "", log: Callable[[str], None] = print) -> 
     table = "\n".join(head + [format_table(summaries)])
     table += "\n\n" + format_ranking(summaries)
     table += "\n\n" + format_equal_iterations(summaries)
+    paced = None
+    if pace_file is not None:
+        paced = paced_budgets(summaries, by_method, pace_file, at_cpu)
+        for s in summaries:
+            s["gain_at_paced_budget"] = paced[s["method"]]
+        shown = os.path.relpath(pace_file, ROOT) if Path(pace_file).is_absolute() else pace_file
+        table += "\n\n" + format_paced_budget(summaries, paced, at_cpu, str(shown))
     if unfinished:
         table += f"\n\nNot finished (not in the table): {', '.join(unfinished)}"
     by_name = {s["method"]: s for s in summaries}
@@ -1438,6 +1513,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--eval-interval", type=float, default=100.0,
                         help="training CPU seconds between evaluations (default 100)")
     parser.add_argument("--out", default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT})")
+    parser.add_argument("--pace-from", default=None, metavar="METHODS_JSON",
+                        help="--report: also each method's gain at --at-cpu CPU seconds at the "
+                             "CPU seconds per iteration this report's methods.json measured")
+    parser.add_argument("--at-cpu", type=float, default=None, metavar="SECONDS",
+                        help="--report with --pace-from: the budget, in that report's seconds")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="extra dotted config override for every run (repeatable)")
     parser.add_argument("--signal-iterations", type=int, default=8,
@@ -1483,7 +1563,13 @@ def main(argv: list[str] | None = None) -> dict | None:
         raise SystemExit(f"--budget and --eval-interval must be > 0 (got {budget}, {interval})")
 
     if args.report:
-        return report(out, command)
+        pace = None if args.pace_from is None else Path(args.pace_from)
+        if pace is not None and not pace.is_absolute():
+            pace = ROOT / pace
+        try:
+            return report(out, command, pace_file=pace, at_cpu=args.at_cpu)
+        except ValueError as error:
+            raise SystemExit(str(error)) from None
     if args.signal:
         return signal_probe(methods, 1 if args.quick else args.signal_iterations, out, extra)
     if args.calibrate:

@@ -261,6 +261,35 @@ def test_gain_at_equal_iterations_compares_methods_per_update(bench):
         bench.summarize_method(costly, equal_iterations=16)
 
 
+def test_gain_at_a_paced_budget_is_read_at_that_paces_iterations(bench, tmp_path):
+    """Runs measured on a day the machine ran faster, compared at 150 CPU seconds of a table
+    that measured 10 s an iteration: after 15 iterations, whatever the runs' own seconds;
+    a run that stopped before gives '-', and a method the table lacks a '-' row."""
+    runs = [_record("fast", 0, [0.36, 0.42, 0.45], seconds_per_it=5.0),
+            _record("fast", 1, [0.40, 0.44, 0.46], seconds_per_it=5.0)]
+    runs[1]["evals"] = runs[1]["evals"][:2]                  # seed 1 stopped at iteration 10
+    at = bench.gain_at_paced_budget(runs, 10.0, 150.0)
+    assert at["iterations"] == pytest.approx(15.0)
+    assert at["per_seed"][0] == pytest.approx(0.39 - 0.30)  # halfway from 0.36 (10) to 0.42 (20)
+    assert at["per_seed"][1] is None
+    assert (at["mean"], at["n"], at["low"]) == (pytest.approx(0.09), 1, None)
+    assert bench.gain_at_paced_budget(runs, 20.0, 150.0)["per_seed"] == \
+        [pytest.approx(0.75 * 0.06), pytest.approx(0.75 * 0.10)]     # 7.5 of the first 10
+    assert bench.gain_at_paced_budget(runs, 5.0, 500.0)["mean"] is None   # 100: none got there
+    with pytest.raises(ValueError, match="must be > 0"):
+        bench.gain_at_paced_budget(runs, 0.0, 150.0)
+    pace = tmp_path / "methods.json"
+    pace.write_text(json.dumps({"methods": {"fast": {"per_iteration": {"cpu_seconds": 10.0}}}}))
+    summaries = [{"method": "fast", "label": "Fast"}, {"method": "other", "label": "Other"}]
+    paced = bench.paced_budgets(summaries, {"fast": runs, "other": []}, pace, 150.0)
+    assert paced["other"] is None and paced["fast"]["iterations"] == pytest.approx(15.0)
+    text = bench.format_paced_budget(summaries, paced, 150.0, "table/methods.json")
+    assert "| Fast | 10.00 | 15 | +0.090 (n=1) | +0.090, - |" in text
+    assert "| Other | - | - | - | - |" in text
+    with pytest.raises(ValueError, match="no such file"):
+        bench.paced_budgets(summaries, {}, tmp_path / "missing.json", 150.0)
+
+
 def test_median_over_seeds_counts_not_reached_as_longer(bench):
     assert bench.median_seconds([100.0, None, 300.0]) == 300.0
     assert bench.median_seconds([100.0, None, None]) is None
@@ -670,6 +699,13 @@ def test_quick_benchmark_end_to_end_writes_table_json_and_plot(bench, tmp_path):
     assert all(s["gain_at_equal_iterations"]["iterations"] == fewest
                for s in data["methods"].values())
     assert (tmp_path / "accuracy_vs_cpu_seconds.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the same runs at a budget in another report's seconds (here their own methods.json)
+    paced = bench.main(["--report", "--out", str(tmp_path), "--pace-from",
+                        str(tmp_path / "methods.json"), "--at-cpu", "1"])
+    assert all(s["gain_at_paced_budget"]["cpu_budget"] == 1.0 for s in paced["methods"].values())
+    assert "Gain at 1 CPU seconds at the pace of" in (tmp_path / "table.md").read_text()
+    with pytest.raises(SystemExit, match="go together"):
+        bench.main(["--report", "--out", str(tmp_path), "--at-cpu", "1"])
     assert json.loads((tmp_path / "methods.json").read_text())["methods"].keys() == \
         data["methods"].keys()
     stamps = {p: p.stat().st_mtime_ns for p in (tmp_path / "runs").glob("*.json")}
