@@ -486,7 +486,7 @@ class FlowPolicy(FlowEvaluation):
         if t.locality.keep_kl_beta > 0:
             if mean_ref is None:
                 mean_ref = self.reference_mean(replay, cond, settings)
-            keep_region = self.keep_region(batch, replay, mean.device)
+            keep_region = self.preservation_weights(batch, replay, mean.device)
             row_kl = region_flow_kl(mean, mean_ref, self.kl_std(replay), keep_region)
             # The mean over the rows that have something to keep (a one-object toy edit has
             # not), so beta's strength does not depend on the batch's mix of edits.
@@ -506,7 +506,7 @@ class FlowPolicy(FlowEvaluation):
             _, mean_ref = replay_logp(self.model, replay, cond, settings)
         return mean_ref
 
-    def keep_region(self, batch: RolloutBatch, replay, device: torch.device) -> Tensor:
+    def preservation_weights(self, batch: RolloutBatch, replay, device: torch.device) -> Tensor:
         """The replay rows' preservation-region weights on ``device``, broadcastable to the
         latents: where the preservation advantage acts (``training.locality.keep_region``), the
         records' keep masks outside the edit region, or the whole rest: the weights

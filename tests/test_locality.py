@@ -568,27 +568,33 @@ def test_a_keep_region_kl_holds_the_rest_at_the_reference(keep_region, edit_dir,
         return out
 
     monkeypatch.setattr(flow_policy, "region_flow_kl", recording)
+    # one-object edits (nothing to keep under keep_region: record) beside two-object ones in a
+    # replay batch: 8 prompts of 2 samples, the two families drawn equally, batches of 8 rows
     trainer = Trainer(locality_config(edit_dir, tmp_path, "training.locality.keep_kl_beta=0.5",
                                       f"training.locality.keep_region={keep_region}",
                                       "training.gradient_accumulation_steps=1",
-                                      "sampling.rollout_batch_size=2"))
+                                      "training.prompts_per_iteration=8", "training.group_size=2",
+                                      "prompts.balance_key=family",
+                                      "sampling.rollout_batch_size=8"))
     assert trainer.policy.reference_module is not None
     regions = []
-    keep_region_of = trainer.policy.keep_region
+    weights_of = trainer.policy.preservation_weights
 
     def recording_region(batch, replay, device):
-        out = keep_region_of(batch, replay, device)
+        out = weights_of(batch, replay, device)
         edit = batch.region_masks[replay.rows]
         expected = (1.0 - edit if keep_region == "rest"
                     else batch.keep_masks[replay.rows] * (1.0 - edit))
         regions.append((out, expected))
         return out
 
-    monkeypatch.setattr(trainer.policy, "keep_region", recording_region)
+    monkeypatch.setattr(trainer.policy, "preservation_weights", recording_region)
     metrics = trainer.run_iteration(0)
     assert len(calls) == len(regions) == metrics["train/replay_batches"] >= 2
     for (region, kl), (out, expected) in zip(calls, regions):
         assert torch.equal(region, out) and torch.equal(out, expected)
+    if keep_region == "record":
+        assert any(bool((region.flatten(1).sum(1) == 0).any()) for region, _ in calls[1:])
     assert calls[0][1].abs().max().item() == 0.0
     assert max(kl.max().item() for _, kl in calls[1:]) > 0.0
     # each batch's term: the mean over its rows that have a region (one-object toy edits have
