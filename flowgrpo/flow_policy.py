@@ -580,8 +580,7 @@ class FlowPolicy(FlowEvaluation):
             replay, cond = _replay_rows(replay, keep), cond.select(keep)
             mean = mean.index_select(0, keep.to(mean.device))
             gate = gate.index_select(0, keep)
-        with torch.no_grad(), self.reference_policy():
-            _, mean_ref = replay_logp(self.model, replay, cond, settings)
+        mean_ref = self.reference_mean(replay, cond, settings)
         kl = gated_kl(flow_kl(mean, mean_ref, self.kl_std(replay)), gate)
         record["kl"] = kl.detach()
         record["kl_rows"] = torch.tensor(float(keep.numel()), device=kl.device)
