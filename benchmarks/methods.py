@@ -841,41 +841,55 @@ def gain_at_paced_budget(records: list[dict], seconds_per_iteration: float,
             "iterations": iterations, **stats, "per_seed": per_seed}
 
 
-def paced_budgets(summaries: list[dict], by_method: dict[str, list[dict]], pace_file: Path,
-                  cpu_budget: float) -> dict[str, dict | None]:
+def paced_budgets(summaries: list[dict], by_method: dict[str, list[dict]],
+                  pace_files: list[Path], cpu_budget: float) -> dict[str, dict | None]:
     """``gain_at_paced_budget`` of every method of a report at the CPU seconds per iteration
-    that ``pace_file`` (another report's methods.json) measured for it; None for a method that
-    report does not have."""
-    if not Path(pace_file).is_file():
-        raise ValueError(f"--pace-from {pace_file}: no such file (give the methods.json that "
-                         f"--report wrote for the report whose pace to use)")
-    pace = json.loads(Path(pace_file).read_text())["methods"]
+    that another report's methods.json measured for it: the first of ``pace_files`` that has
+    the method (its index in ``pace_from``); None for a method none of them has. Several files
+    let each method take its pace from the runs measured in one sitting when some of a table's
+    rows were re-measured on another day."""
+    paces = []
+    for pace_file in pace_files:
+        if not Path(pace_file).is_file():
+            raise ValueError(f"--pace-from {pace_file}: no such file (give the methods.json that "
+                             f"--report wrote for the report whose pace to use)")
+        paces.append(json.loads(Path(pace_file).read_text())["methods"])
     out = {}
     for s in summaries:
-        seconds = (pace.get(s["method"]) or {}).get("per_iteration", {}).get("cpu_seconds")
-        out[s["method"]] = (None if seconds is None else
-                            gain_at_paced_budget(by_method[s["method"]], seconds, cpu_budget))
+        out[s["method"]] = None
+        for index, pace in enumerate(paces):
+            seconds = (pace.get(s["method"]) or {}).get("per_iteration", {}).get("cpu_seconds")
+            if seconds is not None:
+                at = gain_at_paced_budget(by_method[s["method"]], seconds, cpu_budget)
+                out[s["method"]] = {**at, "pace_from": index}
+                break
     return out
 
 
 def format_paced_budget(summaries: list[dict], paced: dict[str, dict | None], cpu_budget: float,
-                        pace_file: str) -> str:
-    """The section of ``paced_budgets``: each method's iterations and gain at the budget."""
-    lines = [f"Gain at {cpu_budget:g} CPU seconds at the pace of `{pace_file}` (each method "
+                        pace_files: list[str]) -> str:
+    """The section of ``paced_budgets``: each method's iterations and gain at the budget (and,
+    with several pace files, which one its pace came from)."""
+    several = len(pace_files) > 1
+    source = (f"`{pace_files[0]}`" if not several else
+              "the first of " + ", ".join(f"`{f}`" for f in pace_files) + " that has the method")
+    lines = [f"Gain at {cpu_budget:g} CPU seconds at the pace of {source} (each method "
              f"after {cpu_budget:g} / its CPU seconds per iteration there; linear interpolation "
              f"between evaluations; '-' past a run's last evaluation or a method that report "
              f"does not have):", "",
-             "| method | CPU s / it there | iterations | gain [95% CI] | per seed |",
-             "|---|---:|---:|---:|---:|"]
+             "| method | CPU s / it there | iterations | gain [95% CI] | per seed |"
+             + (" pace from |" if several else ""),
+             "|---|---:|---:|---:|---:|" + ("---|" if several else "")]
     for s in summaries:
         at = paced[s["method"]]
         if at is None:
-            lines.append(f"| {s['label']} | - | - | - | - |")
+            lines.append(f"| {s['label']} | - | - | - | - |" + (" - |" if several else ""))
             continue
         seeds = ", ".join("-" if v is None else f"{v:+.3f}" for v in at["per_seed"])
         gain = "-" if at["mean"] is None else _interval_text(at, signed=True)
         lines.append(f"| {s['label']} | {at['seconds_per_iteration']:.2f} | "
-                     f"{at['iterations']:.0f} | {gain} | {seeds} |")
+                     f"{at['iterations']:.0f} | {gain} | {seeds} |"
+                     + (f" `{pace_files[at['pace_from']]}` |" if several else ""))
     return "\n".join(lines)
 
 
@@ -1082,12 +1096,12 @@ def reproduce_command(records: list[dict], out: Path) -> str:
 
 
 def report(out: Path, command: str = "", log: Callable[[str], None] = print,
-           pace_file: Path | None = None, at_cpu: float | None = None) -> dict | None:
+           pace_files: list[Path] | None = None, at_cpu: float | None = None) -> dict | None:
     """Aggregate every finished run in ``<out>/runs`` into table.md, methods.json and
     accuracy_vs_cpu_seconds.png. Returns the JSON's content (None when nothing is finished).
-    With ``pace_file`` and ``at_cpu``, also every method's gain at ``at_cpu`` CPU seconds at the
-    pace that report measured (``paced_budgets``)."""
-    if (pace_file is None) != (at_cpu is None):
+    With ``pace_files`` and ``at_cpu``, also every method's gain at ``at_cpu`` CPU seconds at the
+    pace those reports measured (``paced_budgets``)."""
+    if (not pace_files) != (at_cpu is None):
         raise ValueError("--pace-from and --at-cpu go together: the budget is in the CPU seconds "
                          "of the report the pace comes from")
     records = finished_records(out)
@@ -1126,12 +1140,15 @@ def report(out: Path, command: str = "", log: Callable[[str], None] = print,
     table += "\n\n" + format_ranking(summaries)
     table += "\n\n" + format_equal_iterations(summaries)
     paced = None
-    if pace_file is not None:
-        paced = paced_budgets(summaries, by_method, pace_file, at_cpu)
+    if pace_files:
+        paced = paced_budgets(summaries, by_method, pace_files, at_cpu)
+        shown = [str(os.path.relpath(f, ROOT) if Path(f).is_absolute() else f)
+                 for f in pace_files]
+        table += "\n\n" + format_paced_budget(summaries, paced, at_cpu, shown)
         for s in summaries:
-            s["gain_at_paced_budget"] = paced[s["method"]]
-        shown = os.path.relpath(pace_file, ROOT) if Path(pace_file).is_absolute() else pace_file
-        table += "\n\n" + format_paced_budget(summaries, paced, at_cpu, str(shown))
+            at = paced[s["method"]]
+            s["gain_at_paced_budget"] = (None if at is None else
+                                         {**at, "pace_from": shown[at["pace_from"]]})
     if unfinished:
         table += f"\n\nNot finished (not in the table): {', '.join(unfinished)}"
     by_name = {s["method"]: s for s in summaries}
@@ -1513,9 +1530,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--eval-interval", type=float, default=100.0,
                         help="training CPU seconds between evaluations (default 100)")
     parser.add_argument("--out", default=DEFAULT_OUT, help=f"output folder (default {DEFAULT_OUT})")
-    parser.add_argument("--pace-from", default=None, metavar="METHODS_JSON",
+    parser.add_argument("--pace-from", action="append", default=[], metavar="METHODS_JSON",
                         help="--report: also each method's gain at --at-cpu CPU seconds at the "
-                             "CPU seconds per iteration this report's methods.json measured")
+                             "CPU seconds per iteration this report's methods.json measured "
+                             "(repeatable: each method's pace from the first file that has it)")
     parser.add_argument("--at-cpu", type=float, default=None, metavar="SECONDS",
                         help="--report with --pace-from: the budget, in that report's seconds")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -1563,11 +1581,9 @@ def main(argv: list[str] | None = None) -> dict | None:
         raise SystemExit(f"--budget and --eval-interval must be > 0 (got {budget}, {interval})")
 
     if args.report:
-        pace = None if args.pace_from is None else Path(args.pace_from)
-        if pace is not None and not pace.is_absolute():
-            pace = ROOT / pace
+        paces = [Path(p) if Path(p).is_absolute() else ROOT / p for p in args.pace_from]
         try:
-            return report(out, command, pace_file=pace, at_cpu=args.at_cpu)
+            return report(out, command, pace_files=paces, at_cpu=args.at_cpu)
         except ValueError as error:
             raise SystemExit(str(error)) from None
     if args.signal:

@@ -281,13 +281,37 @@ def test_gain_at_a_paced_budget_is_read_at_that_paces_iterations(bench, tmp_path
     pace = tmp_path / "methods.json"
     pace.write_text(json.dumps({"methods": {"fast": {"per_iteration": {"cpu_seconds": 10.0}}}}))
     summaries = [{"method": "fast", "label": "Fast"}, {"method": "other", "label": "Other"}]
-    paced = bench.paced_budgets(summaries, {"fast": runs, "other": []}, pace, 150.0)
+    paced = bench.paced_budgets(summaries, {"fast": runs, "other": []}, [pace], 150.0)
     assert paced["other"] is None and paced["fast"]["iterations"] == pytest.approx(15.0)
-    text = bench.format_paced_budget(summaries, paced, 150.0, "table/methods.json")
+    text = bench.format_paced_budget(summaries, paced, 150.0, ["table/methods.json"])
     assert "| Fast | 10.00 | 15 | +0.090 (n=1) | +0.090, - |" in text
     assert "| Other | - | - | - | - |" in text
     with pytest.raises(ValueError, match="no such file"):
-        bench.paced_budgets(summaries, {}, tmp_path / "missing.json", 150.0)
+        bench.paced_budgets(summaries, {}, [pace, tmp_path / "missing.json"], 150.0)
+
+
+def test_several_pace_files_give_each_method_the_first_pace_that_has_it(bench, tmp_path):
+    """A table whose rows were measured on two days: 'fast' takes 20 s an iteration from the
+    first file (its runs of the table's sitting), not the 10 s of the second, which still paces
+    'other'; a method neither file has gives '-'."""
+    runs = {m: [_record(m, 0, [0.36, 0.42, 0.45], seconds_per_it=5.0)]
+            for m in ("fast", "other", "third")}
+    sitting, table = tmp_path / "sitting.json", tmp_path / "table.json"
+    sitting.write_text(json.dumps({"methods": {"fast": {"per_iteration": {"cpu_seconds": 20.0}}}}))
+    table.write_text(json.dumps({"methods": {m: {"per_iteration": {"cpu_seconds": 10.0}}
+                                             for m in ("fast", "other")}}))
+    summaries = [{"method": m, "label": m.title()} for m in runs]
+    paced = bench.paced_budgets(summaries, runs, [sitting, table], 200.0)
+    assert (paced["fast"]["iterations"], paced["fast"]["pace_from"]) == (pytest.approx(10.0), 0)
+    assert (paced["other"]["iterations"], paced["other"]["pace_from"]) == (pytest.approx(20.0), 1)
+    assert paced["third"] is None
+    assert paced["fast"]["per_seed"] == [pytest.approx(0.36 - 0.30)]
+    assert paced["other"]["per_seed"] == [pytest.approx(0.42 - 0.30)]
+    text = bench.format_paced_budget(summaries, paced, 200.0, ["a/methods.json", "b/methods.json"])
+    assert "the first of `a/methods.json`, `b/methods.json` that has the method" in text
+    assert "| Fast | 20.00 | 10 | +0.060 (n=1) | +0.060 | `a/methods.json` |" in text
+    assert "| Other | 10.00 | 20 | +0.120 (n=1) | +0.120 | `b/methods.json` |" in text
+    assert "| Third | - | - | - | - | - |" in text
 
 
 def test_median_over_seeds_counts_not_reached_as_longer(bench):
@@ -703,6 +727,8 @@ def test_quick_benchmark_end_to_end_writes_table_json_and_plot(bench, tmp_path):
     paced = bench.main(["--report", "--out", str(tmp_path), "--pace-from",
                         str(tmp_path / "methods.json"), "--at-cpu", "1"])
     assert all(s["gain_at_paced_budget"]["cpu_budget"] == 1.0 for s in paced["methods"].values())
+    assert all(s["gain_at_paced_budget"]["pace_from"].endswith("methods.json")
+               for s in paced["methods"].values())
     assert "Gain at 1 CPU seconds at the pace of" in (tmp_path / "table.md").read_text()
     with pytest.raises(SystemExit, match="go together"):
         bench.main(["--report", "--out", str(tmp_path), "--at-cpu", "1"])
