@@ -217,6 +217,18 @@ def value_at_iteration(points: Sequence[tuple[float, float]], iteration: float) 
     return None
 
 
+def gains_at_iteration(records: list[dict], iteration: float) -> list[float | None]:
+    """Each run's held-out gain over its base after ``iteration`` iterations
+    (``value_at_iteration`` on its evaluations), in the records' order; None for a run whose
+    last evaluation comes before."""
+    gains = []
+    for record in records:
+        value = value_at_iteration([(e["iteration"], e["accuracy"]) for e in record["evals"]],
+                                   iteration)
+        gains.append(None if value is None else value - record["base"]["accuracy"])
+    return gains
+
+
 def median_seconds(values: Sequence[float | None]) -> float | None:
     """Median over seeds where "not reached" (None) counts as longer than any budget; None when
     the median itself is not reached (so at least half the seeds must reach the target)."""
@@ -714,14 +726,12 @@ def summarize_method(records: list[dict], target_delta: float = TARGET_DELTA,
     base_artifacts = [r["base"].get("artifacts") for r in records]
     at_iterations = None
     if equal_iterations is not None:
-        values = [value_at_iteration([(e["iteration"], e["accuracy"]) for e in r["evals"]],
-                                     equal_iterations) for r in records]
-        if any(v is None for v in values):
+        gains_then = gains_at_iteration(records, equal_iterations)
+        if any(v is None for v in gains_then):
             raise ValueError(f"equal_iterations={equal_iterations} is past the last evaluation "
                              f"of a run of {records[0]['method']}")
-        at_iterations = {"iterations": equal_iterations,
-                         **t_interval([v - b for v, b in zip(values, bases)]),
-                         "per_seed": [v - b for v, b in zip(values, bases)]}
+        at_iterations = {"iterations": equal_iterations, **t_interval(gains_then),
+                         "per_seed": gains_then}
     return {
         "method": records[0]["method"], "label": records[0]["label"],
         "seeds": [r["seed"] for r in records], "budget": budget, "eval_interval": interval,
@@ -829,11 +839,7 @@ def gain_at_paced_budget(records: list[dict], seconds_per_iteration: float,
         raise ValueError(f"seconds_per_iteration and cpu_budget must be > 0 (got "
                          f"{seconds_per_iteration}, {cpu_budget})")
     iterations = cpu_budget / seconds_per_iteration
-    per_seed = []
-    for record in sorted(records, key=lambda r: r["seed"]):
-        value = value_at_iteration([(e["iteration"], e["accuracy"]) for e in record["evals"]],
-                                   iterations)
-        per_seed.append(None if value is None else value - record["base"]["accuracy"])
+    per_seed = gains_at_iteration(sorted(records, key=lambda r: r["seed"]), iterations)
     reached = [v for v in per_seed if v is not None]
     stats = (t_interval(reached) if reached else
              {"mean": None, "low": None, "high": None, "half_width": None, "n": 0, "sd": None})
