@@ -71,6 +71,7 @@ FIELDS_ADDED_SINCE_RESULTS: dict[tuple[str, ...], object] = {
     ("training", "locality", "silent_share"): "keep",
     ("training", "locality", "keep_region"): "rest",
     ("training", "locality", "keep_kl_beta"): 0.0,
+    ("training", "locality", "keep_source_beta"): 0.0,
     ("prompts", "balance_weights"): {},
 }
 # A ratio of two held-out gains is reported only when both reach one point: below that the

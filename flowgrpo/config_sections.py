@@ -423,6 +423,15 @@ class LocalityConfig:
         "holds the part of the image an edit should leave alone at what the untuned model draws "
         "there, while the edit region trains free of it (training.kl_beta pulls on both). 0 = off.",
         default=0.0)
+    keep_source_beta: float = _help(
+        "Weight of a flow-matching loss that teaches the preservation region to reproduce the "
+        "source, >= 0 (0 = off): at each trained step, the rollout's sample with its "
+        "keep_region replaced by the source image (losses.source_preserving_target) is noised "
+        "at the step's sigma and the policy's velocity regressed onto noise - target over the "
+        "keep_region's elements only (losses.region_flow_matching). Supervised, not RL: what "
+        "an edit should leave alone is known, the source, so it is taught directly rather than "
+        "through the preservation reward's noisy advantage. Needs an adapter that encodes "
+        "images into its latents (encode_images: toy, flux_kontext).", default=0.0)
 
     @property
     def enabled(self) -> bool:
@@ -442,7 +451,13 @@ class LocalityConfig:
         in_range(self.difference_threshold, 0.0, 1.0, "training.locality.difference_threshold",
                  low_open=True, high_open=True, meaning=" (images are in [0, 1])")
         positive(self.keep_kl_beta, "training.locality.keep_kl_beta", allow_zero=True)
+        positive(self.keep_source_beta, "training.locality.keep_source_beta", allow_zero=True)
         if not self.enabled:
+            if self.keep_source_beta > 0:
+                raise ConfigError("training.locality.keep_source_beta is set but training."
+                                  "locality.mask is 'off', so there is no preservation region "
+                                  "to teach: set mask to 'record' or 'difference', or set "
+                                  "keep_source_beta to 0")
             if self.keep_kl_beta > 0:
                 raise ConfigError("training.locality.keep_kl_beta is set but training.locality."
                                   "mask is 'off', so there is no preservation region: set mask "

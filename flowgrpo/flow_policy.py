@@ -26,16 +26,17 @@ from flowgrpo.guards import check_gate_keys, check_guard_keys, loaded_reward_key
 from flowgrpo.heldout import load_eval_rewards
 from flowgrpo.losses import (batch_mean_dt_weights, check_weights, fixed_region_shares, flow_kl,
                              gated_kl, guard_log_ratio, guard_step_weights, policy_loss,
-                             rectification_weights, region_flow_kl, region_policy_loss,
-                             signal_region_shares, std_over_sqrt_dt_weights, surrogate_stats,
-                             velocity_anchor)
+                             rectification_weights, region_flow_kl, region_flow_matching,
+                             region_policy_loss, signal_region_shares, source_preserving_target,
+                             std_over_sqrt_dt_weights, surrogate_stats, velocity_anchor)
 from flowgrpo.plans import make_plan, sample_trained_steps
 from flowgrpo.policy import Through, float32_trainable, frozen_reference, swapped_attribute
 from flowgrpo.prompts import (record_images, record_keep_masks, record_masks,
                               reward_metadata)
 from flowgrpo.rollout import RolloutBatch, RolloutSettings, encode_rows, replay_logp, rollout
 from flowgrpo.sde import anchor_std, region_log_probs
-from pipelines import check_model_config, load_model
+from flowgrpo.seeding import seeded_generator
+from pipelines import check_model_config, load_model, model_class
 from pipelines import check_model_source as check_family_source
 from reward_models import (MultiReward, available_rewards, check_reward_names,
                            declared_components, load_reward)
@@ -95,6 +96,13 @@ class FlowPolicy(FlowEvaluation):
         check_reward_names(config.eval.rewards, "eval.rewards", known)
         check_gate_keys(config, reward_output_keys(config, declared_components))
         check_locality_keys(config, reward_output_keys(config, declared_components))
+        family = config.model.family
+        if (config.training.locality.keep_source_beta > 0
+                and not hasattr(model_class(family), "encode_images")):
+            raise ConfigError(f"training.locality.keep_source_beta needs the model's latents of "
+                              f"the source images (an adapter with encode_images: toy, "
+                              f"flux_kontext); the {family} adapter has none: set "
+                              f"keep_source_beta to 0")
 
     @staticmethod
     def check_model_source(config: TrainConfig) -> None:
@@ -494,6 +502,11 @@ class FlowPolicy(FlowEvaluation):
             keep_kl = gated_kl(row_kl, has_region.to(row_kl.dtype))
             loss = loss + t.locality.keep_kl_beta * keep_kl
             record["keep_kl"] = keep_kl.detach()
+        if t.locality.keep_source_beta > 0:
+            keep_source = self.keep_source_loss(batch, replay, cond, settings, iteration)
+            if keep_source is not None:
+                loss = loss + t.locality.keep_source_beta * keep_source
+                record["keep_source"] = keep_source.detach()
         if t.anchor_beta > 0 and replay.anchors:
             anchor = self.anchor_penalty(batch, replay.anchors, settings)
             loss = loss + t.anchor_beta * anchor
@@ -517,6 +530,37 @@ class FlowPolicy(FlowEvaluation):
         if keep is None:
             return 1.0 - edit
         return keep.index_select(0, replay.rows.to(keep.device)).to(device) * (1.0 - edit)
+
+    def keep_source_loss(self, batch: RolloutBatch, replay, cond, settings: RolloutSettings,
+                         iteration: int) -> Tensor | None:
+        """``training.locality.keep_source_beta``'s term for a replay batch, a scalar, or None
+        when no row has a preservation region (a one-object toy edit): the mean over those rows
+        of ``losses.region_flow_matching`` at the step's sigmas, on x_sigma = (1 - sigma) target
+        + sigma noise, target = the row's sample with its preservation region replaced by the
+        source (``losses.source_preserving_target``), fresh noise drawn per (seed, iteration,
+        step, first row). Gradient flows through the policy's velocity only."""
+        device = self.model.device
+        region = self.preservation_weights(batch, replay, device)
+        has_region = (region.flatten(1).sum(dim=1) > 0).nonzero().flatten()
+        if has_region.numel() == 0:
+            return None
+        rows = replay.rows.to(device).index_select(0, has_region)
+        region = region.index_select(0, has_region)
+        images = [batch.images[i] for i in rows.tolist()]
+        sample = [batch.media[i] for i in rows.tolist()]
+        with torch.no_grad():
+            target = source_preserving_target(self.model.encode_images(sample).float(),
+                                              self.model.encode_images(images).float(), region)
+        generator = seeded_generator(settings.seed, iteration, "keep_source", replay.step,
+                                     int(replay.rows[0]))
+        noise = torch.randn(target.shape, generator=generator).to(device)
+        sigmas = replay.sigmas.to(device).index_select(0, has_region).float()
+        s = sigmas.view(-1, *([1] * (target.dim() - 1)))
+        latents = ((1.0 - s) * target + s * noise).to(self.model.dtype)
+        with self.training_forward():
+            velocity = self.model.velocity(latents, sigmas, cond.select(has_region),
+                                           settings.guidance_scale)
+        return region_flow_matching(velocity, noise, target, region).mean()
 
     def _region_loss(self, batch: RolloutBatch, replay, mean: Tensor, adv: Tensor,
                      clip_high: float, weights: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
@@ -602,6 +646,8 @@ class FlowPolicy(FlowEvaluation):
             stats["anchor"] = rows["anchor"].float().mean()
         if "keep_kl" in rows:
             stats["keep_kl"] = rows["keep_kl"].float().mean()
+        if "keep_source" in rows:
+            stats["keep_source"] = rows["keep_source"].float().mean()
         return stats
 
     # ------------------------------------------------------------------ weights

@@ -637,3 +637,53 @@ def velocity_anchor(velocity: Tensor, velocity_ref: Tensor) -> Tensor:
     only (the reference is a constant)."""
     diff = velocity.float() - velocity_ref.detach().float()
     return diff.pow(2).flatten(1).mean(dim=1)
+
+
+def source_preserving_target(sample: Tensor, source: Tensor, keep: Tensor) -> Tensor:
+    """(B, ...) the clean latents an edit should have produced where it should keep the source:
+
+        keep * source + (1 - keep) * sample
+
+    sample: (B, ...) latents of the policy's own edits (detached); source: (B, ...) latents of
+    their source images; keep: preservation weights in [0, 1] broadcastable to them (1 = the
+    source must reappear there, ``training.locality.keep_source_beta``). Elsewhere (the edit
+    region, and what no region covers) the target is the sample itself."""
+    _check_shape(source, "source", tuple(sample.shape), "sample's shape")
+    keep = keep.detach().to(sample)
+    return keep * source.detach().to(sample) + (1.0 - keep) * sample.detach()
+
+
+def region_flow_matching(velocity: Tensor, noise: Tensor, target: Tensor, region: Tensor
+                         ) -> Tensor:
+    """(B,) the flow-matching loss over a region of the latents, per element of the region:
+
+        sum_d w_d (v_d - (noise_d - target_d))^2 / sum_d w_d
+
+    for x_sigma = (1 - sigma) target + sigma noise, where the velocity that carries x_sigma to
+    ``target`` is noise - target (``training.locality.keep_source_beta``: the preservation
+    region regressed onto the source). With w = 1 everywhere it is the rectified-flow loss's
+    per-row mean; a row with an empty region (sum_d w_d = 0) is 0 and gives no gradient, and
+    elements with w_d = 0 give none either.
+
+    Args:
+        velocity: (B, ...) the policy's velocity at x_sigma (carries the gradient).
+        noise, target: (B, ...) the noise and clean latents x_sigma was made of.
+        region: weights in [0, 1] broadcastable to ``velocity`` (e.g. (B, 1, H, W)).
+    """
+    if velocity.dim() < 2:
+        raise ValueError(f"velocity must have shape (B, ...) (got {tuple(velocity.shape)})")
+    _check_shape(noise, "noise", tuple(velocity.shape), "velocity's shape")
+    _check_shape(target, "target", tuple(velocity.shape), "velocity's shape")
+    try:
+        weights = torch.broadcast_to(region.detach().to(device=velocity.device,
+                                                        dtype=torch.float32), velocity.shape)
+    except RuntimeError:
+        raise ValueError(f"region shape {tuple(region.shape)} does not broadcast to the latents "
+                         f"{tuple(velocity.shape)}") from None
+    if bool((weights < 0).any()) or bool((weights > 1).any()):
+        raise ValueError("region weights must be in [0, 1]")
+    residual = velocity.float() - (noise.detach().float() - target.detach().float())
+    rows = velocity.shape[0]
+    sums = (weights * residual.pow(2)).reshape(rows, -1).sum(dim=1)
+    sizes = weights.reshape(rows, -1).sum(dim=1)
+    return sums / sizes.clamp(min=torch.finfo(torch.float32).tiny)

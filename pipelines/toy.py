@@ -266,18 +266,23 @@ class ToyFlowModel(TransformerTraining):
             if images is None or len(images) != len(prompts) or any(i is None for i in images):
                 raise ValueError("this toy model edits images: give one source image per prompt "
                                  "(prompt records with an \"image\", e.g. toy:edit_train)")
-            size = (3, self.sample_size, self.sample_size)
-            bad = [tuple(i.shape) for i in images if tuple(i.shape) != size]
-            if bad:
-                raise ValueError(f"images must be {size} floats in [0, 1] (got {bad[0]})")
-            source = torch.stack([i.to(self.device, torch.float32) for i in images])
-            positive["source_latents"] = negative["source_latents"] = \
-                (2.0 * source - 1.0).to(self.dtype)
+            positive["source_latents"] = negative["source_latents"] = self.encode_images(images)
         elif images is not None and any(i is not None for i in images):
             raise ValueError("this toy model is text-to-image and cannot take source images; use "
                              "an editing model (model.path: assets/toy_edit) or prompts without "
                              "\"image\"")
         return Conditioning(positive=positive, negative=negative)
+
+    def encode_images(self, images: list[Tensor]) -> Tensor:
+        """Images (3, S, S) floats in [0, 1], one per row -> their latents (B, 3, S, S) in
+        [-1, 1] in the model's dtype (the latents are the pixels, rescaled: ``decode``'s
+        inverse on [0, 1])."""
+        size = (3, self.sample_size, self.sample_size)
+        bad = [tuple(i.shape) for i in images if tuple(i.shape) != size]
+        if bad:
+            raise ValueError(f"images must be {size} floats in [0, 1] (got {bad[0]})")
+        pixels = torch.stack([i.to(self.device, torch.float32) for i in images])
+        return (2.0 * pixels - 1.0).to(self.dtype)
 
     def region_mask(self, mask: Tensor, resize: str = "area") -> Tensor:
         """An edit-region mask (B, 1, H, W) in [0, 1] on the latents' layout, (B, 1, S, S):

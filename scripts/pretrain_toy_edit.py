@@ -57,21 +57,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="share of examples whose target is a near miss (another colour, or in a "
                         "two-object scene the other object recoloured), as the T2I model's "
                         "--caption-noise: the model can edit but does not reliably (RL-able)")
+    p.add_argument("--other-object-share", type=float, default=0.5,
+                   help="of the two-object near misses, the share that recolours the other object "
+                        "(the rest: the named object in another free colour)")
     return p.parse_args(argv)
 
 
-def near_miss_edit(source: dict, edit: dict, rng: random.Random) -> dict:
+def near_miss_edit(source: dict, edit: dict, rng: random.Random, other_share: float = 0.5
+                   ) -> dict:
     """The edit drawn instead of ``edit`` for a near-miss target: in a two-object scene the other
-    object recoloured (half the time), else the named object in another free colour."""
+    object recoloured (``other_share`` of the time), else the named object in another free
+    colour."""
     others = [o for o in source["objects"] if o["shape"] != edit["shape"]]
-    if others and rng.random() < 0.5:
+    if others and rng.random() < other_share:
         return {**edit, "shape": others[0]["shape"]}
     taken = {o["color"] for o in source["objects"]} | {edit["color"]}
     return {**edit, "color": rng.choice([c for c in COLORS if c not in taken])}
 
 
-def edit_batch(sources: list[dict], batch_size: int, rng: random.Random, edit_noise: float = 0.0
-               ) -> tuple[list[str], torch.Tensor, torch.Tensor]:
+def edit_batch(sources: list[dict], batch_size: int, rng: random.Random, edit_noise: float = 0.0,
+               other_share: float = 0.5) -> tuple[list[str], torch.Tensor, torch.Tensor]:
     """(instructions, source images (B, 3, 24, 24), targets (B, 3, 24, 24)) in [0, 1]; a share
     ``edit_noise`` of the targets are near misses of the instruction (``near_miss_edit``)."""
     prompts, src, tgt = [], [], []
@@ -79,7 +84,8 @@ def edit_batch(sources: list[dict], batch_size: int, rng: random.Random, edit_no
         source = sources[rng.randrange(len(sources))]
         edit = choose_edit(source, rng)
         apply_edit(source, edit)          # validates the edit
-        drawn = near_miss_edit(source, edit, rng) if rng.random() < edit_noise else edit
+        drawn = (near_miss_edit(source, edit, rng, other_share) if rng.random() < edit_noise
+                 else edit)
         a, b = render_pair(source, drawn, rng.randrange(2 ** 31))
         prompts.append(instruction(edit))
         src.append(torch.from_numpy(a))
@@ -133,7 +139,8 @@ def main(argv: list[str] | None = None) -> None:
         lr = args.lr * min(1.0, (step + 1) / args.warmup_steps) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * done)))
         for group in optimizer.param_groups:
             group["lr"] = lr
-        prompts, src, tgt = edit_batch(sources, args.batch_size, rng, args.edit_noise)
+        prompts, src, tgt = edit_batch(sources, args.batch_size, rng, args.edit_noise,
+                                        args.other_object_share)
         x0 = 2 * tgt - 1
         noise = torch.randn_like(x0)
         sigma = torch.sigmoid(torch.randn(len(prompts)))

@@ -16,7 +16,8 @@ from flowgrpo.advantages import group_advantages, region_advantages
 from flowgrpo.config import ConfigError
 from flowgrpo.edit_regions import difference_mask, downsample_mask
 from flowgrpo.losses import (fixed_region_shares, flow_kl, policy_loss, region_flow_kl,
-                             region_policy_loss, signal_region_shares)
+                             region_flow_matching, region_policy_loss, signal_region_shares,
+                             source_preserving_target)
 from flowgrpo.prompts import load_prompts
 from flowgrpo.sde import region_log_probs, score_step, transition
 from flowgrpo.toyworld.editing import render_pair
@@ -451,6 +452,8 @@ def locality_config(path: str, tmp_path: Path, *overrides: str):
     (["training.locality.keep_region=outside"], "training.locality.keep_region must be one of"),
     (["training.locality.difference_threshold=1.5"], "difference_threshold must be in"),
     (["training.locality.keep_kl_beta=-0.1"], "training.locality.keep_kl_beta must be >= 0"),
+    (["training.locality.keep_source_beta=-1"],
+     "training.locality.keep_source_beta must be >= 0"),
     (["rewards.aggregation=decoupled"], "rewards.aggregation: decoupled"),
     (["training.ratio_norm=true"], "training.ratio_norm"),
     (["training.gardo.diversity=true"], "training.gardo.diversity"),
@@ -471,6 +474,8 @@ def test_an_edit_weight_without_regions_is_refused():
         LocalityConfig(mask="off", keep_region="record").validate()
     with pytest.raises(ConfigError, match="keep_kl_beta is set but training.locality.mask"):
         LocalityConfig(mask="off", keep_kl_beta=0.1).validate()
+    with pytest.raises(ConfigError, match="keep_source_beta is set but training.locality.mask"):
+        LocalityConfig(mask="off", keep_source_beta=0.1).validate()
     LocalityConfig(mask="off").validate()
 
 
@@ -622,3 +627,169 @@ def test_record_masks_are_required_at_start(edit_dir, tmp_path):
                              "training.locality.keep_region=record")
     with pytest.raises(ConfigError, match="have no \"keep_mask\""):
         Trainer(config)
+
+
+# ---------------------------------------------------------------- keep_source_beta
+
+def test_region_flow_matching_over_every_element_is_the_flow_matching_loss():
+    generator = torch.Generator().manual_seed(3)
+    velocity, noise, target = (torch.randn(SHAPE, generator=generator) for _ in range(3))
+    full = region_flow_matching(velocity, noise, target, torch.ones(SHAPE[0], 1, *SHAPE[2:]))
+    torch.testing.assert_close(full, (velocity - (noise - target)).pow(2).flatten(1).mean(1))
+
+
+def test_region_flow_matching_is_the_regions_mean_and_trains_only_there():
+    generator = torch.Generator().manual_seed(4)
+    noise, target = (torch.randn(SHAPE, generator=generator) for _ in range(2))
+    velocity = torch.randn(SHAPE, generator=generator).requires_grad_(True)
+    region = random_mask(5)
+    region[0] = 0.0                       # a row with nothing to keep
+    loss = region_flow_matching(velocity, noise, target, region)
+    inside = region.expand(SHAPE).bool()
+    squared = (velocity - (noise - target)).pow(2).detach()
+    for row in range(1, SHAPE[0]):
+        torch.testing.assert_close(loss[row], squared[row][inside[row]].mean())
+    assert loss[0].item() == 0.0
+    loss.sum().backward()
+    assert velocity.grad[~inside].abs().max().item() == 0.0
+    assert velocity.grad[inside].abs().min().item() > 0.0
+    # the velocity that carries x_sigma to the target has no loss
+    exact = region_flow_matching(noise - target, noise, target, region)
+    assert exact.abs().max().item() == 0.0
+
+
+def test_a_soft_region_weighs_each_element_and_bad_regions_are_refused():
+    generator = torch.Generator().manual_seed(6)
+    velocity, noise, target = (torch.randn(SHAPE, generator=generator) for _ in range(3))
+    region = random_mask(7, soft=True)
+    weights = region.expand(SHAPE)
+    squared = (velocity - (noise - target)).pow(2)
+    expected = (weights * squared).flatten(1).sum(1) / weights.flatten(1).sum(1)
+    torch.testing.assert_close(region_flow_matching(velocity, noise, target, region), expected)
+    with pytest.raises(ValueError, match="region weights must be in"):
+        region_flow_matching(velocity, noise, target, region * 2)
+    with pytest.raises(ValueError, match="does not broadcast"):
+        region_flow_matching(velocity, noise, target, torch.ones(2, 1, 3, 3))
+    with pytest.raises(ValueError, match="noise must have shape"):
+        region_flow_matching(velocity, noise[:1], target, region)
+
+
+def test_the_source_preserving_target_is_the_source_where_kept_and_the_sample_elsewhere():
+    generator = torch.Generator().manual_seed(8)
+    sample, source = (torch.randn(SHAPE, generator=generator) for _ in range(2))
+    keep = random_mask(9)
+    target = source_preserving_target(sample, source, keep)
+    inside = keep.expand(SHAPE).bool()
+    assert torch.equal(target[inside], source[inside])
+    assert torch.equal(target[~inside], sample[~inside])
+    soft = random_mask(10, soft=True)
+    torch.testing.assert_close(source_preserving_target(sample, source, soft),
+                               soft * source + (1 - soft) * sample)
+
+
+def test_toy_encode_images_inverts_decode_and_feeds_the_source_channels(edit_dir):
+    from pipelines.toy import ToyFlowModel
+
+    model = ToyFlowModel.from_pretrained(edit_dir)
+    generator = torch.Generator().manual_seed(11)
+    images = [torch.rand(3, model.sample_size, model.sample_size, generator=generator)
+              for _ in range(2)]
+    latents = model.encode_images(images)
+    torch.testing.assert_close(model.decode(latents), torch.stack(images))
+    cond = model.encode_prompts(["make the circle red", "make the square blue"], images=images)
+    assert torch.equal(cond.positive["source_latents"], latents)
+    with pytest.raises(ValueError, match="images must be"):
+        model.encode_images([torch.rand(3, 5, 5)])
+
+
+def test_keep_source_needs_an_adapter_that_encodes_images(tmp_path):
+    """Refused at config load, before any model loads: qwen_image_edit encodes its sources at
+    their own resolution, not onto its output latents."""
+    from flowgrpo.flow_policy import FlowPolicy
+    from pipelines import model_class
+
+    assert hasattr(model_class("toy"), "encode_images")
+    assert hasattr(model_class("flux_kontext"), "encode_images")
+    assert not hasattr(model_class("qwen_image_edit"), "encode_images")
+    config = locality_config("assets/toy_edit", tmp_path, "training.locality.keep_source_beta=1")
+    FlowPolicy.check_config(config)
+    config.model.family = "qwen_image_edit"
+    with pytest.raises(ConfigError, match="keep_source_beta needs the model's latents"):
+        FlowPolicy.check_config(config)
+
+
+def test_keep_source_regresses_the_preservation_region_onto_the_source(edit_dir, tmp_path,
+                                                                      monkeypatch):
+    """training.locality.keep_source_beta: each replay batch's rows that have a preservation
+    region are re-noised at their step's sigma from a target that is the source there and the
+    row's own sample elsewhere; the term is the mean of region_flow_matching over those rows,
+    no reference model is needed, and it enters the update's statistics."""
+    import flowgrpo.flow_policy as flow_policy
+    from flowgrpo.trainer import Trainer
+
+    calls = []
+    original = flow_policy.region_flow_matching
+
+    def recording(velocity, noise, target, region):
+        out = original(velocity, noise, target, region)
+        calls.append((noise.clone(), target.clone(), region.clone(), out.detach().clone()))
+        return out
+
+    monkeypatch.setattr(flow_policy, "region_flow_matching", recording)
+    inputs = []
+    original_velocity = None
+    trainer = Trainer(locality_config(edit_dir, tmp_path, "training.locality.keep_source_beta=0.5",
+                                      "training.locality.keep_region=record",
+                                      "training.gradient_accumulation_steps=1",
+                                      "training.prompts_per_iteration=8", "training.group_size=2",
+                                      "prompts.balance_key=family",
+                                      "sampling.rollout_batch_size=8"))
+    assert trainer.policy.reference_module is None
+    policy = trainer.policy
+    original_velocity = policy.model.velocity
+
+    def recording_velocity(latents, sigmas, cond, guidance_scale):
+        inputs.append((latents.detach().clone(), sigmas.clone()))
+        return original_velocity(latents, sigmas, cond, guidance_scale)
+
+    batches = []
+    original_loss = policy.keep_source_loss
+
+    def recording_loss(batch, replay, cond, settings, iteration):
+        start = len(inputs)
+        monkeypatch.setattr(policy.model, "velocity", recording_velocity)
+        try:
+            out = original_loss(batch, replay, cond, settings, iteration)
+        finally:
+            monkeypatch.setattr(policy.model, "velocity", original_velocity)
+        batches.append((batch, replay, inputs[start:], out))
+        return out
+
+    monkeypatch.setattr(policy, "keep_source_loss", recording_loss)
+    metrics = trainer.run_iteration(0)
+    assert len(batches) == metrics["train/replay_batches"] >= 2
+    terms = []
+    calls_iter = iter(calls)
+    for batch, replay, forwards, out in batches:
+        region = policy.preservation_weights(batch, replay, torch.device("cpu"))
+        has = (region.flatten(1).sum(1) > 0).nonzero().flatten()
+        if has.numel() == 0:     # only one-object edits: no term, no forward
+            assert out is None and forwards == []
+            continue
+        noise, target, called_region, per_row = next(calls_iter)
+        rows = replay.rows[has]
+        source = 2 * torch.stack([batch.images[i] for i in rows.tolist()]) - 1
+        sample = 2 * batch.media[rows] - 1
+        kept = called_region.expand(target.shape).bool()
+        assert torch.equal(called_region, region[has]) and kept.any()
+        torch.testing.assert_close(target[kept], source[kept])
+        torch.testing.assert_close(target[~kept], sample[~kept])
+        (latents, sigmas), = forwards
+        torch.testing.assert_close(sigmas, replay.sigmas[has])
+        s = sigmas.view(-1, 1, 1, 1)
+        torch.testing.assert_close(latents, (1 - s) * target + s * noise)
+        torch.testing.assert_close(out, per_row.mean())
+        terms.append(out)
+    assert len(terms) >= 1 and next(calls_iter, None) is None
+    torch.testing.assert_close(torch.tensor(metrics["train/keep_source"]),
+                               torch.stack(terms).mean().float())
