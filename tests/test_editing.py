@@ -284,16 +284,47 @@ def test_training_comparison_grid_starts_with_the_source_column(edit_dir, tmp_pa
         assert torch.equal(seen["images"][row, 0], record["image"])
 
 
-def test_pretraining_continues_an_editing_model(edit_dir, tmp_path):
-    """scripts/pretrain_toy_edit.py --base <an editing model> trains that model further: the saved
-    model keeps its 6 input channels and its vocabulary (made an editing model once, not twice),
-    its weights moved from the start, and the start's provenance is kept under continued_from."""
+def load_pretrain_script():
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("pretrain_toy_edit",
                                                   ROOT / "scripts" / "pretrain_toy_edit.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
+    return script
+
+
+@pytest.mark.parametrize("other_share", [0.0, 0.5, 1.0])
+def test_near_misses_recolour_the_other_object_at_the_asked_share(other_share):
+    """--other-object-share: of the two-object near misses, that share recolours the other object
+    (in the asked colour), the rest the named object in a colour no object has and not the asked
+    one; one-object near misses are always the named object in another colour."""
+    import random
+
+    script = load_pretrain_script()
+    rng = random.Random(0)
+    sources = [r["metadata"]["source"] for r in load_prompts("toy:edit_train")]
+    other, counts = 0, {1: 0, 2: 0}
+    for i in range(600):
+        source = sources[i % len(sources)]
+        edit = script.choose_edit(source, rng)
+        miss = script.near_miss_edit(source, edit, rng, other_share)
+        counts[len(source["objects"])] += 1
+        if miss["shape"] != edit["shape"]:
+            assert len(source["objects"]) == 2 and miss["color"] == edit["color"]
+            other += 1
+        else:
+            taken = {o["color"] for o in source["objects"]}
+            assert miss["color"] != edit["color"] and miss["color"] not in taken
+    share = other / counts[2]
+    assert abs(share - other_share) < 0.07, (share, counts)
+
+
+def test_pretraining_continues_an_editing_model(edit_dir, tmp_path):
+    """scripts/pretrain_toy_edit.py --base <an editing model> trains that model further: the saved
+    model keeps its 6 input channels and its vocabulary (made an editing model once, not twice),
+    its weights moved from the start, and the start's provenance is kept under continued_from."""
+    script = load_pretrain_script()
     start = ToyFlowModel.from_pretrained(edit_dir)
     start.defaults.extra = {"command": "the first stage", "steps": 7}
     start.save_pretrained(str(tmp_path / "first"))
