@@ -454,6 +454,20 @@ def flow_kl(mean: Tensor, mean_ref: Tensor, std: Tensor) -> Tensor:
     return _mean_over_dims((mean.to(dtype) - mean_ref.detach().to(dtype)) ** 2) / (2 * std ** 2)
 
 
+def _region_weights(region: Tensor, latents: Tensor, dtype: torch.dtype) -> Tensor:
+    """Region weights broadcast to ``latents``' shape, detached, in ``dtype`` on its device;
+    ValueError when they do not broadcast or leave [0, 1]."""
+    try:
+        weights = torch.broadcast_to(region.detach().to(device=latents.device, dtype=dtype),
+                                     latents.shape)
+    except RuntimeError:
+        raise ValueError(f"region shape {tuple(region.shape)} does not broadcast to the latents "
+                         f"{tuple(latents.shape)}") from None
+    if bool((weights < 0).any()) or bool((weights > 1).any()):
+        raise ValueError("region weights must be in [0, 1]")
+    return weights
+
+
 def region_flow_kl(mean: Tensor, mean_ref: Tensor, std: Tensor, region: Tensor) -> Tensor:
     """``flow_kl`` over a region of the latents only, (B,):
 
@@ -476,14 +490,7 @@ def region_flow_kl(mean: Tensor, mean_ref: Tensor, std: Tensor, region: Tensor) 
     _check_shape(mean_ref, "mean_ref", tuple(mean.shape), "mean's shape")
     _check_shape(std, "std", (mean.shape[0],), "(B,)")
     dtype = _compute_dtype(mean, std)
-    try:
-        weights = torch.broadcast_to(region.detach().to(device=mean.device, dtype=dtype),
-                                     mean.shape)
-    except RuntimeError:
-        raise ValueError(f"region shape {tuple(region.shape)} does not broadcast to the latents "
-                         f"{tuple(mean.shape)}") from None
-    if bool((weights < 0).any()) or bool((weights > 1).any()):
-        raise ValueError("region weights must be in [0, 1]")
+    weights = _region_weights(region, mean, dtype)
     squared = (mean.to(dtype) - mean_ref.detach().to(dtype)) ** 2
     sums = (weights * squared).reshape(mean.shape[0], -1).sum(dim=1)
     sizes = weights.reshape(mean.shape[0], -1).sum(dim=1)
@@ -674,14 +681,7 @@ def region_flow_matching(velocity: Tensor, noise: Tensor, target: Tensor, region
         raise ValueError(f"velocity must have shape (B, ...) (got {tuple(velocity.shape)})")
     _check_shape(noise, "noise", tuple(velocity.shape), "velocity's shape")
     _check_shape(target, "target", tuple(velocity.shape), "velocity's shape")
-    try:
-        weights = torch.broadcast_to(region.detach().to(device=velocity.device,
-                                                        dtype=torch.float32), velocity.shape)
-    except RuntimeError:
-        raise ValueError(f"region shape {tuple(region.shape)} does not broadcast to the latents "
-                         f"{tuple(velocity.shape)}") from None
-    if bool((weights < 0).any()) or bool((weights > 1).any()):
-        raise ValueError("region weights must be in [0, 1]")
+    weights = _region_weights(region, velocity, torch.float32)
     residual = velocity.float() - (noise.detach().float() - target.detach().float())
     rows = velocity.shape[0]
     sums = (weights * residual.pow(2)).reshape(rows, -1).sum(dim=1)

@@ -60,7 +60,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--other-object-share", type=float, default=0.5,
                    help="of the two-object near misses, the share that recolours the other object "
                         "(the rest: the named object in another free colour)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    for name in ("edit_noise", "other_object_share"):
+        if not 0.0 <= getattr(args, name) <= 1.0:
+            p.error(f"--{name.replace('_', '-')} is a share: give a number in [0, 1] "
+                    f"(got {getattr(args, name)})")
+    return args
 
 
 def near_miss_edit(source: dict, edit: dict, rng: random.Random, other_share: float = 0.5

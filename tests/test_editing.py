@@ -318,6 +318,8 @@ def test_near_misses_recolour_the_other_object_at_the_asked_share(other_share):
             assert miss["color"] != edit["color"] and miss["color"] not in taken
     share = other / counts[2]
     assert abs(share - other_share) < 0.07, (share, counts)
+    with pytest.raises(SystemExit):
+        script.parse_args(["--out", "x", "--minutes", "1", "--other-object-share", "1.5"])
 
 
 def test_pretraining_continues_an_editing_model(edit_dir, tmp_path):

@@ -737,7 +737,6 @@ def test_keep_source_regresses_the_preservation_region_onto_the_source(edit_dir,
 
     monkeypatch.setattr(flow_policy, "region_flow_matching", recording)
     inputs = []
-    original_velocity = None
     trainer = Trainer(locality_config(edit_dir, tmp_path, "training.locality.keep_source_beta=0.5",
                                       "training.locality.keep_region=record",
                                       "training.gradient_accumulation_steps=1",
