@@ -2,8 +2,9 @@
 
     python scripts/pretrain_toy_edit.py --base assets/toy --out assets/toy_edit --minutes 8
 
-(The shipped ``assets/toy_edit`` took two runs, the second continuing the first with near-miss
-targets, ``--base assets/toy_edit --edit-noise 0.3``; its README has both commands.)
+(The shipped ``assets/toy_edit`` took three runs, each continuing the one before (``--base``): exact
+targets, more exact targets, then wrong-colour near misses (``--edit-noise 0.3
+--other-object-share 0``); its README has the three commands.)
 
 ``pipelines.toy.to_editing_model`` gives the base 3 more input channels (the source image, zero
 weights) and the instructions' words; then the rectified-flow loss on freshly rendered edits:
