@@ -59,6 +59,7 @@ OLD_PREFIX = ".old-"          # the previous folder of an iteration being re-sav
 ENGINE_PREFIX = ".engine-"    # a sharded engine's state before it moves into its checkpoint
 SUPERSEDED = "superseded"     # checkpoints after a resumed one, set aside (never deleted)
 REFERENCE = "reference.safetensors"   # the refreshed KL reference (training.gardo)
+ALGORITHM = "algorithm.safetensors"   # the training algorithm's tensors (old policy: nft, dgpo)
 BEST = "best"                 # checkpoints/best/: the best evaluation's (run.select_best_on)
 BEST_RECORD = "best.json"     # checkpoints/best.json: its iteration, metric and value
 # Test hook: seconds to sleep after each file of a save, so that a test can kill the process

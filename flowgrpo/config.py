@@ -366,6 +366,34 @@ def _cross_section_rules(config: TrainConfig, num_processes: int) -> None:
     _check_guards(config)
     _check_select_best(config)
     _check_locality(config)
+    _check_algorithm(config, num_processes)
+
+
+def _check_algorithm(config: TrainConfig, num_processes: int) -> None:
+    """training.algorithm against the policy, the plan and the process count."""
+    t, s = config.training, config.sampling
+    if t.algorithm == "grpo":
+        if config.policy == "flow" and s.plan.kind == "ode":
+            raise ConfigError("sampling.plan.kind 'ode' has no SDE step to train, and "
+                              "training.algorithm 'grpo' trains SDE steps: use a plan with SDE "
+                              "steps (full, window, branch, one_step) or a sample-based "
+                              "algorithm (nft, awm, dgpo, dpo)")
+        return
+    if config.policy != "flow":
+        raise ConfigError(f"training.algorithm {t.algorithm!r} trains flow-matching models; "
+                          f"policy: llm trains with grpo (set training.algorithm: grpo)")
+    if s.plan.kind == "ode" and s.share_initial_noise and t.dpo.pairs is None:
+        raise ConfigError("sampling.plan.kind 'ode' with sampling.share_initial_noise: every "
+                          "sample of a group would be the same image (a deterministic sampler "
+                          "from one noise), so no group has reward variance: set "
+                          "sampling.share_initial_noise: false")
+    per_process = t.prompts_per_iteration * t.group_size // num_processes
+    if t.algorithm in ("dgpo", "dpo") and per_process % t.group_size:
+        raise ConfigError(f"training.algorithm {t.algorithm!r} compares the samples of a group "
+                          f"with each other, so each process must hold whole groups: "
+                          f"{per_process} samples per process is not a multiple of "
+                          f"training.group_size {t.group_size}; change prompts_per_iteration "
+                          f"so that it divides by the {num_processes} processes")
 
 
 def _check_locality(config: TrainConfig) -> None:

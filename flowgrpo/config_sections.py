@@ -16,10 +16,13 @@ from typing import Any
 
 from flowgrpo.advantages import REWARD_AGGREGATIONS, SCALES
 from flowgrpo.checks import choice, in_range, is_number, positive
+from flowgrpo.config_algorithms import (ALGORITHM_NAMES, TIMESTEP_SAMPLINGS, AWMConfig,
+                                        DGPOConfig, DPOConfig, NFTConfig, TimestepsConfig)
 from flowgrpo.dtypes import DTYPE_NAMES
 from flowgrpo.edit_regions import REGION_RESIZES
 from flowgrpo.ema import EMA_WARMUPS
 from flowgrpo.errors import ConfigError
+from flowgrpo.matching_losses import AWM_WEIGHTINGS
 from flowgrpo.losses import KL_CONVENTIONS, TOKEN_AGGREGATIONS, TOKEN_LEVELS
 from flowgrpo.plans import PLAN_KINDS, TRAIN_SELECTS, WINDOW_ENDS, WINDOW_STRATEGIES, PlanConfig
 from flowgrpo.prompts import PROMPT_SUFFIXES
@@ -48,6 +51,8 @@ FIELD_CHOICES: dict[str, tuple[str, ...]] = {
     "sampling.plan.train_select": TRAIN_SELECTS,
     "sampling.plan.window_strategy": WINDOW_STRATEGIES, "sampling.plan.window_end": WINDOW_ENDS,
     "sampling.plan.solver_after": ODE_SOLVERS,
+    "training.algorithm": ALGORITHM_NAMES, "training.timesteps.sampling": TIMESTEP_SAMPLINGS,
+    "training.awm.weighting": AWM_WEIGHTINGS, "training.dgpo.reference": ("base", "old"),
     "training.lr_decay": LR_DECAYS, "training.kl_convention": tuple(KL_CONVENTIONS),
     "training.adv_scale": tuple(SCALES), "training.dt_reweight_norm": DT_REWEIGHT_NORMS,
     "training.loss_scale": LOSS_SCALES, "training.mixed_precision": MIXED_PRECISIONS,
@@ -489,6 +494,14 @@ class LocalityConfig:
 
 @dataclass
 class TrainingConfig:
+    algorithm: str = _help(
+        "What the update trains on (flowgrpo/algorithms/, docs/algorithms.md): 'grpo' (the "
+        "clipped policy gradient on the exact log-probs of SDE transitions: Flow-GRPO, "
+        "DanceGRPO, MixGRPO, GRPO-Guard, Flash-GRPO), or on final samples re-noised by the "
+        "forward process: 'nft' (DiffusionNFT), 'awm' (advantage weighted matching), 'dgpo' "
+        "(direct group preference), 'dpo' (Diffusion-DPO on best/worst pairs or offline "
+        "pairs). The sample-based ones roll out with any solver (sampling.plan.kind: ode) and "
+        "keep no transitions.", default="grpo")
     prompts_per_iteration: int = _help("Groups (distinct prompts) per iteration, over all processes.",
                                        default=8)
     group_size: int = _help("Samples per prompt (group). Flow-GRPO: 24.", default=8)
@@ -590,8 +603,17 @@ class TrainingConfig:
     locality: LocalityConfig = _help(
         "Locality-preserving advantages for editing (Edit-GRPO); off by default.",
         default_factory=LocalityConfig)
+    timesteps: TimestepsConfig = _help(
+        "The noise levels the sample-based algorithms (nft, awm, dgpo, dpo) train at.",
+        default_factory=TimestepsConfig)
+    nft: NFTConfig = _help("DiffusionNFT (training.algorithm: nft).", default_factory=NFTConfig)
+    awm: AWMConfig = _help("Advantage weighted matching (training.algorithm: awm).",
+                           default_factory=AWMConfig)
+    dgpo: DGPOConfig = _help("DGPO (training.algorithm: dgpo).", default_factory=DGPOConfig)
+    dpo: DPOConfig = _help("Diffusion-DPO (training.algorithm: dpo).", default_factory=DPOConfig)
 
     def validate(self) -> None:
+        choice(self.algorithm, ALGORITHM_NAMES, "training.algorithm")
         positive(self.prompts_per_iteration, "training.prompts_per_iteration")
         positive(self.group_size, "training.group_size")
         choice(self.adv_scale, SCALES, "training.adv_scale")
@@ -641,6 +663,35 @@ class TrainingConfig:
         self.ema.validate()
         self.gardo.validate()
         self.locality.validate()
+        self.timesteps.validate()
+        self.nft.validate()
+        self.awm.validate()
+        self.dgpo.validate()
+        self.dpo.validate()
+        if self.algorithm != "grpo":
+            self._sample_algorithm_rules()
+
+    def _sample_algorithm_rules(self) -> None:
+        """What the sample-based algorithms cannot use: the parts of the GRPO loss that act on
+        transitions (they keep none)."""
+        grpo_only = {"ratio_norm": self.ratio_norm, "dt_reweight": self.dt_reweight,
+                     "rectification": self.rectification, "anchor_beta": self.anchor_beta > 0,
+                     "kl_reward": self.kl_reward > 0, "loss_scale": self.loss_scale != "none",
+                     "locality.mask": self.locality.enabled,
+                     "gardo.kl_gate": self.gardo.kl_gate}
+        used = [name for name, on in grpo_only.items() if on]
+        if used:
+            raise ConfigError(f"training.{used[0]} acts on SDE transitions, which "
+                              f"training.algorithm {self.algorithm!r} does not keep: remove it, "
+                              f"or use training.algorithm: grpo")
+        if self.algorithm == "nft" and self.adv_clip <= 0:
+            raise ConfigError("training.adv_clip is 0, but DiffusionNFT maps advantages in "
+                              "[-adv_clip, adv_clip] to its weight r: set adv_clip > 0 (the "
+                              "reference uses 5)")
+        if self.dpo.pairs is not None and self.algorithm == "dpo" and self.group_size != 2:
+            raise ConfigError(f"training.dpo.pairs trains offline pairs, each a group of two "
+                              f"(chosen, rejected): set training.group_size: 2 (got "
+                              f"{self.group_size})")
 
 
 @dataclass

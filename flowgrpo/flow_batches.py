@@ -35,10 +35,22 @@ def rollout_chunks_per_process(config: TrainConfig, num_processes: int) -> int:
 
 def replay_batches_per_process(config: TrainConfig, num_processes: int) -> int:
     """Replay batches of one inner epoch on each process, before zero-variance groups are
-    skipped: rollout chunks times the trained steps of a trajectory."""
-    s = config.sampling
-    return rollout_chunks_per_process(config, num_processes) * \
-        replay_steps_per_chunk(s.plan, s.num_steps)
+    skipped: rollout chunks times the trained steps of a trajectory; for the sample-based
+    algorithms, chunks of rollout_batch_size rows (whole groups for dgpo, pairs for dpo: at
+    most one per group) times ``training.timesteps.count``."""
+    s, t = config.sampling, config.training
+    if t.algorithm == "grpo":
+        return rollout_chunks_per_process(config, num_processes) * \
+            replay_steps_per_chunk(s.plan, s.num_steps)
+    rows = t.prompts_per_iteration * t.group_size // num_processes
+    size = max(1, s.rollout_batch_size)
+    if t.algorithm == "dgpo":
+        chunks = math.ceil((rows // t.group_size) / max(1, size // t.group_size))
+    elif t.algorithm == "dpo":
+        chunks = math.ceil((rows // t.group_size) / max(1, size // 2))
+    else:
+        chunks = math.ceil(rows / size)
+    return chunks * t.timesteps.count
 
 
 def ema_updates_per_step(config: TrainConfig, num_processes: int) -> int:

@@ -1,9 +1,11 @@
 """The flow-matching policy: a FlowModel (any family of ``pipelines``) as an MDP over denoising steps.
 
-Rollouts follow each group's StepPlan (``plans.py``) with SDE/ODE transitions (``sde.py``) and keep
-every trained transformer call as a replay batch (``rollout.py``); the loss of a replay batch is
-the clipped surrogate on its exact Gaussian log-probs (``losses.py``), plus GRPO-Guard's ratio
-normalisation and step weights, Flash-GRPO's rectification and the KL to the reference.
+Rollouts follow each group's StepPlan (``plans.py``) with SDE/ODE transitions (``sde.py``); GRPO
+keeps every trained transformer call as a replay batch (``rollout.py``), the sample-based
+algorithms keep each row's final sample. What the update trains on and its loss are the
+algorithm's (``training.algorithm``, ``flowgrpo/algorithms/``): this class loads the model, rolls
+out and scores, and gives the algorithms the model's forwards through the engine, the reference
+policy and the prompt conditions.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import torch
 from accelerate import Accelerator
 from torch import Tensor, nn
 
+from flowgrpo.algorithms import algorithm_class
 from flowgrpo.config import TrainConfig, check_reward_key, reward_output_keys
 from flowgrpo.dtypes import parse_dtype
 from flowgrpo.edit_regions import difference_mask, stack_masks
@@ -24,18 +27,13 @@ from flowgrpo.flow_batches import accumulation_steps, ema_updates_per_step, roll
 from flowgrpo.flow_evaluation import FlowEvaluation
 from flowgrpo.guards import check_gate_keys, check_guard_keys, loaded_reward_keys
 from flowgrpo.heldout import load_eval_rewards
-from flowgrpo.losses import (batch_mean_dt_weights, check_weights, fixed_region_shares, flow_kl,
-                             gated_kl, guard_log_ratio, guard_step_weights, policy_loss,
-                             rectification_weights, region_flow_kl, region_flow_matching,
-                             region_policy_loss, signal_region_shares, source_preserving_target,
-                             std_over_sqrt_dt_weights, surrogate_stats, velocity_anchor)
+from flowgrpo.losses import flow_kl
 from flowgrpo.plans import make_plan, sample_trained_steps
 from flowgrpo.policy import Through, float32_trainable, frozen_reference, swapped_attribute
 from flowgrpo.prompts import (record_images, record_keep_masks, record_masks,
                               reward_metadata)
 from flowgrpo.rollout import RolloutBatch, RolloutSettings, encode_rows, replay_logp, rollout
-from flowgrpo.sde import anchor_std, region_log_probs
-from flowgrpo.seeding import seeded_generator
+from flowgrpo.sde import anchor_std
 from pipelines import check_model_config, load_model, model_class
 from pipelines import check_model_source as check_family_source
 from reward_models import (MultiReward, available_rewards, check_reward_names,
@@ -44,23 +42,6 @@ from reward_models import (MultiReward, available_rewards, check_reward_names,
 
 # The key under which the rollout reports the KL of training.kl_reward (reward/<key>/mean).
 KL_REWARD_KEY = "kl_to_reference"
-
-
-def _replay_rows(replay, keep: Tensor):
-    """The replay batch restricted to its rows ``keep`` (local indices, (b',)): every per-row
-    tensor of it and of its step Gaussian indexed, the step and the constants kept."""
-    def pick(value):
-        if isinstance(value, Tensor) and value.dim() > 0 and value.shape[0] == count:
-            return value.index_select(0, keep.to(value.device))
-        return value
-
-    count = replay.rows.shape[0]
-    gaussian = dataclasses.replace(replay.gaussian, **{
-        f.name: pick(getattr(replay.gaussian, f.name))
-        for f in dataclasses.fields(replay.gaussian)})
-    fields = {f.name: pick(getattr(replay, f.name)) for f in dataclasses.fields(replay)
-              if f.name != "gaussian"}
-    return dataclasses.replace(replay, gaussian=gaussian, **fields)
 
 
 def check_locality_keys(config: TrainConfig, known: dict[str, tuple[str, ...] | None] | None
@@ -147,6 +128,7 @@ class FlowPolicy(FlowEvaluation):
         # swapped in for the reference pass; None = the adapter disabled (the base model).
         self.reference_snapshot: dict[str, Tensor] | None = None
         self.base_sigmas = rollout_sigmas(config, model)
+        self.algorithm = algorithm_class(config.training.algorithm)(self)
         self.accumulation_steps = accumulation_steps(config, accelerator.num_processes)
         self.ema_updates_per_step = ema_updates_per_step(config, accelerator.num_processes)
         self.engine_module: nn.Module = self.module
@@ -167,6 +149,7 @@ class FlowPolicy(FlowEvaluation):
         return float32_trainable(self.module)
 
     def bind(self, engine_module: nn.Module, sharded: bool) -> None:
+        self.algorithm.check_engine(sharded)
         self.engine_module = engine_module
         if sharded and engine_module is not self.module:
             # Sharded parameters: sampling and evaluation must gather them through the engine too.
@@ -289,8 +272,12 @@ class FlowPolicy(FlowEvaluation):
         plan_config, seed = self.config.sampling.plan, self.config.run.seed
         plans = {int(g): make_plan(plan_config, self.base_sigmas, iteration, int(g), seed,
                                    time_shift=self.time_shift()) for g in group_ids.unique()}
+        transitions = self.algorithm.keeps_transitions
+        if not transitions:   # SDE steps still add noise; none is kept for training
+            plans = {g: dataclasses.replace(p, trained=()) for g, p in plans.items()}
         sample_trained = None
-        if plan_config.kind == "full" and plan_config.train_select == "random_per_sample":
+        if transitions and plan_config.kind == "full" and \
+                plan_config.train_select == "random_per_sample":
             sample_trained = {int(sid): sample_trained_steps(plan_config, plans[int(g)], iteration,
                                                              int(sid), seed)
                               for sid, g in zip(sample_ids.tolist(), group_ids.tolist())}
@@ -315,9 +302,12 @@ class FlowPolicy(FlowEvaluation):
                 futures.append((rows, done))
 
         began = time.perf_counter()
-        with torch.no_grad(), self.accelerator.autocast():
+        settings = self.settings(iteration)
+        settings.keep_final_latents = not transitions
+        with torch.no_grad(), self.accelerator.autocast(), \
+                self.algorithm.sampling_weights(iteration):
             batch = rollout(self.model, prompts, metadata, group_ids, sample_ids, plans,
-                            self.settings(iteration), on_media=on_media, images=images,
+                            settings, on_media=on_media, images=images,
                             sample_trained=sample_trained)
         rollout_seconds = time.perf_counter() - began
         began = time.perf_counter()
@@ -343,6 +333,8 @@ class FlowPolicy(FlowEvaluation):
             rewards["total"] = rewards["total"] - self.config.training.kl_reward * kl
             rewards[KL_REWARD_KEY] = kl
             timing["time/kl_reward"] = time.perf_counter() - began
+        if not transitions:
+            batch.replay = self.algorithm.replays(batch, iteration, rewards)
         return batch, rewards, timing
 
     @torch.no_grad()
@@ -394,49 +386,9 @@ class FlowPolicy(FlowEvaluation):
 
     # ------------------------------------------------------------------ loss
     def step_weights(self, replays: list) -> list[Tensor]:
-        """Per-row loss weights of each replay batch: GRPO-Guard's 1/dt and/or Flash-GRPO's kappa,
-        normalised by their mean over the iteration's trained transitions on every process (a
-        replay batch holds a single step, so normalising within it would make every weight 1;
-        a per-process mean would weigh the same step differently on different processes), times
-        the per-batch factors the anchors do not normalise (``training.dt_reweight_norm:
-        batch_mean``, ``training.loss_scale``). Called on every process (the mean is
-        gathered)."""
-        t = self.config.training
-        normalised = (t.dt_reweight and t.dt_reweight_norm == "iteration") or t.rectification
-        raw, absolute = [], []
-        for replay in replays:
-            weights = torch.ones_like(replay.logp_old)
-            if t.dt_reweight and t.dt_reweight_norm == "iteration":
-                weights = weights * guard_step_weights(replay.sigmas, replay.sigmas_next,
-                                                       normalize=False)
-            if t.rectification:
-                weights = weights * rectification_weights(replay.sigmas, replay.sigmas_next,
-                                                          replay.std, normalize=False)
-            raw.append(weights)
-            # Factors the anchors apply per batch, not normalised over the iteration.
-            factor = None
-            if t.dt_reweight and t.dt_reweight_norm == "batch_mean":
-                factor = batch_mean_dt_weights(replay.sigmas, replay.sigmas_next)
-            if t.loss_scale == "std_over_sqrt_dt":
-                scale = std_over_sqrt_dt_weights(
-                    anchor_std(self.config.sampling.kind, replay.std, replay.sigmas,
-                               replay.sigmas_next), replay.sigmas, replay.sigmas_next)
-                factor = scale if factor is None else factor * scale
-            absolute.append(factor)
-        if normalised:
-            acc = self.accelerator
-            local = torch.cat(raw) if raw else torch.zeros(0)
-            totals = torch.tensor([float(local.double().sum()), float(local.numel())],
-                                  dtype=torch.float64)
-            if acc.num_processes > 1:
-                totals = acc.gather(totals.to(acc.device).unsqueeze(0)).sum(dim=0).cpu()
-            if totals[1] > 0:
-                mean = (totals[0] / totals[1]).to(local.dtype)
-                raw = [w / mean.to(w.device) for w in raw]
-        raw = [w if f is None else w * f.to(w.dtype) for w, f in zip(raw, absolute)]
-        if raw and (normalised or any(f is not None for f in absolute)):
-            check_weights(torch.cat(raw))   # once here, so the loss skips it per replay batch
-        return raw
+        """Per-row loss weights of each replay unit (the algorithm's ``step_weights``; called on
+        every process once per update)."""
+        return self.algorithm.step_weights(replays)
 
     def replay_condition(self, batch: RolloutBatch, replay):
         """Prompt embeddings of a replay batch's rows; the batch's distinct rows (prompt, and
@@ -457,61 +409,8 @@ class FlowPolicy(FlowEvaluation):
 
     def replay_loss(self, batch: RolloutBatch, replay, advantages: Tensor, iteration: int,
                     clip_high: float, weights: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
-        """The loss of one replay batch: surrogate (+ Guard / rectification weights) + KL.
-        Returns the loss and a record of detached tensors for ``update_metrics``: per row
-        ``log_ratio`` (the one the loss used), ``advantages`` and ``weights``; 0-d
-        ``ratio_max_dev`` (max |exp(logp - logp_old) - 1|, exactly 0 on the first pass),
-        ``policy_loss`` (and ``kl``)."""
-        cond = self.replay_condition(batch, replay)
-        t = self.config.training
-        settings = self.settings(iteration)
-        with self.training_forward():
-            logp, mean = replay_logp(self.model, replay, cond, settings)
-        adv = advantages[replay.rows]
-        adv = adv if adv.device == logp.device else adv.to(logp.device)
-        if t.locality.enabled:
-            loss, record = self._region_loss(batch, replay, mean, adv, clip_high, weights)
-        else:
-            raw_log_ratio = logp.detach() - replay.logp_old
-            log_ratio = guard_log_ratio(logp, replay.logp_old, mean, replay.mean_old,
-                                        replay.std) if t.ratio_norm else None
-            loss = policy_loss(logp, replay.logp_old, adv, t.clip_low, clip_high, weights=weights,
-                               log_ratio=log_ratio)
-            record = {"log_ratio": raw_log_ratio if log_ratio is None else log_ratio.detach(),
-                      "advantages": adv, "weights": weights,
-                      "ratio_max_dev": torch.expm1(raw_log_ratio).abs().max(),
-                      "policy_loss": loss.detach()}
-        gate = batch.kl_weights
-        mean_ref = None
-        if t.kl_beta > 0 and gate is None:
-            mean_ref = self.reference_mean(replay, cond, settings)
-            kl = flow_kl(mean, mean_ref, self.kl_std(replay)).mean()
-            loss = loss + t.kl_beta * kl
-            record["kl"] = kl.detach()
-        elif t.kl_beta > 0:
-            loss = self._gated_kl_loss(loss, record, replay, cond, settings, mean,
-                                       gate[replay.rows.to(gate.device)])
-        if t.locality.keep_kl_beta > 0:
-            if mean_ref is None:
-                mean_ref = self.reference_mean(replay, cond, settings)
-            keep_region = self.preservation_weights(batch, replay, mean.device)
-            row_kl = region_flow_kl(mean, mean_ref, self.kl_std(replay), keep_region)
-            # The mean over the rows that have something to keep (a one-object toy edit has
-            # not), so beta's strength does not depend on the batch's mix of edits.
-            has_region = keep_region.flatten(1).sum(dim=1) > 0
-            keep_kl = gated_kl(row_kl, has_region.to(row_kl.dtype))
-            loss = loss + t.locality.keep_kl_beta * keep_kl
-            record["keep_kl"] = keep_kl.detach()
-        if t.locality.keep_source_beta > 0:
-            keep_source = self.keep_source_loss(batch, replay, cond, settings, iteration)
-            if keep_source is not None:
-                loss = loss + t.locality.keep_source_beta * keep_source
-                record["keep_source"] = keep_source.detach()
-        if t.anchor_beta > 0 and replay.anchors:
-            anchor = self.anchor_penalty(batch, replay.anchors, settings)
-            loss = loss + t.anchor_beta * anchor
-            record["anchor"] = anchor.detach()
-        return loss, record
+        """The loss of one replay unit: the algorithm's (``flowgrpo/algorithms/``)."""
+        return self.algorithm.loss(batch, replay, advantages, iteration, clip_high, weights)
 
     def reference_mean(self, replay, cond, settings: RolloutSettings) -> Tensor:
         """(B, ...) the replay's transition means under the reference policy (no gradient)."""
@@ -519,136 +418,23 @@ class FlowPolicy(FlowEvaluation):
             _, mean_ref = replay_logp(self.model, replay, cond, settings)
         return mean_ref
 
-    def preservation_weights(self, batch: RolloutBatch, replay, device: torch.device) -> Tensor:
-        """The replay rows' preservation-region weights on ``device``, broadcastable to the
-        latents: where the preservation advantage acts (``training.locality.keep_region``), the
-        records' keep masks outside the edit region, or the whole rest: the weights
-        ``sde.region_log_probs`` gives its second part."""
-        masks = batch.region_masks
-        edit = masks.index_select(0, replay.rows.to(masks.device)).to(device)
-        keep = batch.keep_masks
-        if keep is None:
-            return 1.0 - edit
-        return keep.index_select(0, replay.rows.to(keep.device)).to(device) * (1.0 - edit)
-
-    def keep_source_loss(self, batch: RolloutBatch, replay, cond, settings: RolloutSettings,
-                         iteration: int) -> Tensor | None:
-        """``training.locality.keep_source_beta``'s term for a replay batch, a scalar, or None
-        when no row has a preservation region (a one-object toy edit): the mean over those rows
-        of ``losses.region_flow_matching`` at the step's sigmas, on x_sigma = (1 - sigma) target
-        + sigma noise, target = the row's sample with its preservation region replaced by the
-        source (``losses.source_preserving_target``), fresh noise drawn per (seed, iteration,
-        step, first row). Gradient flows through the policy's velocity only."""
-        device = self.model.device
-        region = self.preservation_weights(batch, replay, device)
-        has_region = (region.flatten(1).sum(dim=1) > 0).nonzero().flatten()
-        if has_region.numel() == 0:
-            return None
-        rows = replay.rows.to(device).index_select(0, has_region)
-        region = region.index_select(0, has_region)
-        images = [batch.images[i] for i in rows.tolist()]
-        sample = [batch.media[i] for i in rows.tolist()]
-        with torch.no_grad():
-            target = source_preserving_target(self.model.encode_images(sample).float(),
-                                              self.model.encode_images(images).float(), region)
-        generator = seeded_generator(settings.seed, iteration, "keep_source", replay.step,
-                                     int(replay.rows[0]))
-        noise = torch.randn(target.shape, generator=generator).to(device)
-        sigmas = replay.sigmas.to(device).index_select(0, has_region).float()
-        s = sigmas.view(-1, *([1] * (target.dim() - 1)))
-        latents = ((1.0 - s) * target + s * noise).to(self.model.dtype)
-        with self.training_forward():
-            velocity = self.model.velocity(latents, sigmas, cond.select(has_region),
-                                           settings.guidance_scale)
-        return region_flow_matching(velocity, noise, target, region).mean()
-
-    def _region_loss(self, batch: RolloutBatch, replay, mean: Tensor, adv: Tensor,
-                     clip_high: float, weights: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
-        """``training.locality``'s surrogate of a replay batch: the step's log-density split by
-        the rows' edit-region masks (``sde.region_log_probs``), the edit advantage (adv[:, 0])
-        on the region, the preservation advantage (adv[:, 1]) on the rest
-        (``losses.region_policy_loss``). The record holds each (row, region) as a row, weighted
-        by the region's share."""
-        t = self.config.training
-        masks = batch.region_masks
-        mask = masks.index_select(0, replay.rows.to(masks.device)).to(mean.device)
-        keep = batch.keep_masks
-        if keep is not None:
-            keep = keep.index_select(0, replay.rows.to(keep.device)).to(mean.device)
-        next_latents = replay.next_latents.to(mean.device)
-        logp, shares = region_log_probs(next_latents - mean, replay.gaussian, mask, keep)
-        if t.locality.edit_weight is not None:
-            shares = fixed_region_shares(shares, t.locality.edit_weight)
-        if t.locality.silent_share == "reassign":
-            shares = signal_region_shares(shares, adv)
-        with torch.no_grad():
-            logp_old, _ = region_log_probs(next_latents - replay.mean_old.to(mean.device),
-                                           replay.gaussian, mask, keep)
-        loss = region_policy_loss(logp, logp_old, adv, shares, t.clip_low, clip_high,
-                                  weights=weights)
-        log_ratio = logp.detach() - logp_old
-        part_weights = shares * weights.to(shares)[:, None]
-        record = {"log_ratio": log_ratio.flatten(), "advantages": adv.flatten(),
-                  "weights": part_weights.flatten(),
-                  "ratio_max_dev": torch.expm1(log_ratio).abs().max(),
-                  "policy_loss": loss.detach()}
-        return loss, record
-
-    def anchor_penalty(self, batch: RolloutBatch, anchors: list, settings: RolloutSettings
-                       ) -> Tensor:
-        """Mean over the anchored states of ``losses.velocity_anchor``: the policy's velocity
-        (with grad, through the engine) against the reference's at each untrained-step state a
-        chunk kept (training.anchor_beta)."""
-        penalties = []
-        for anchor in anchors:
-            cond = self.replay_condition(batch, anchor)
-            latents = anchor.latents.to(self.model.dtype)
-            with self.training_forward():
-                velocity = self.model.velocity(latents, anchor.sigmas, cond,
-                                               settings.guidance_scale)
-            with torch.no_grad(), self.reference_policy():
-                velocity_ref = self.model.velocity(latents, anchor.sigmas, cond,
-                                                   settings.guidance_scale)
-            penalties.append(velocity_anchor(velocity, velocity_ref).mean())
-        return torch.stack(penalties).mean()
-
-    def _gated_kl_loss(self, loss: Tensor, record: dict, replay, cond, settings, mean: Tensor,
-                       gate: Tensor) -> Tensor:
-        """loss + beta * ``gated_kl`` over the replay's gated rows (training.gardo). The
-        reference forward runs on the gated rows only, none when no row is gated; records
-        ``kl`` (mean over the gated rows) and ``kl_rows`` for the update's statistics."""
-        keep = (gate > 0).nonzero().flatten()
-        if keep.numel() == 0:
-            return loss
-        if keep.numel() < gate.numel():
-            replay, cond = _replay_rows(replay, keep), cond.select(keep)
-            mean = mean.index_select(0, keep.to(mean.device))
-            gate = gate.index_select(0, keep)
-        mean_ref = self.reference_mean(replay, cond, settings)
-        kl = gated_kl(flow_kl(mean, mean_ref, self.kl_std(replay)), gate)
-        record["kl"] = kl.detach()
-        record["kl_rows"] = torch.tensor(float(keep.numel()), device=kl.device)
-        return loss + self.config.training.kl_beta * kl
-
     def update_metrics(self, rows: dict[str, Tensor], clip_high: float) -> dict[str, Tensor]:
-        """``surrogate_stats`` over every trained row, and the mean policy loss (and KL)."""
-        if not rows:
-            return {}
-        stats = surrogate_stats(rows["log_ratio"], rows["advantages"],
-                                self.config.training.clip_low, clip_high, rows["weights"])
-        stats["policy_loss"] = rows["policy_loss"].float().mean()
-        if "kl_rows" in rows:   # gated KL: the mean over every gated row of the update
-            counts = rows["kl_rows"].float()
-            stats["kl"] = (rows["kl"].float() * counts).sum() / counts.sum().clamp(min=1)
-        elif "kl" in rows:
-            stats["kl"] = rows["kl"].float().mean()
-        if "anchor" in rows:
-            stats["anchor"] = rows["anchor"].float().mean()
-        if "keep_kl" in rows:
-            stats["keep_kl"] = rows["keep_kl"].float().mean()
-        if "keep_source" in rows:
-            stats["keep_source"] = rows["keep_source"].float().mean()
-        return stats
+        """The update's statistics (the algorithm's ``update_metrics``)."""
+        return self.algorithm.update_metrics(rows, clip_high)
+
+    def after_optimizer_step(self) -> None:
+        """After an optimiser step that changed the weights (the old policies of nft / dgpo)."""
+        self.algorithm.after_optimizer_step()
+
+    def after_update(self) -> dict[str, float]:
+        """After an iteration's update; returns the algorithm's metrics."""
+        return self.algorithm.after_update()
+
+    def algorithm_state(self) -> tuple[dict, dict[str, Tensor]]:
+        return self.algorithm.state_dict()
+
+    def load_algorithm_state(self, state: dict, tensors: dict[str, Tensor]) -> None:
+        self.algorithm.load_state_dict(state, tensors)
 
     # ------------------------------------------------------------------ weights
     def save_weights(self, folder: str, state_dict: dict[str, Tensor] | None = None) -> None:

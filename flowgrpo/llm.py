@@ -446,6 +446,19 @@ class LMPolicy:
         """Token-level stats are already reduced per replay batch: their mean over the update."""
         return {key: values.float().mean() for key, values in rows.items()}
 
+    # The LM trains with GRPO's token loss only: no algorithm state or hooks.
+    def after_optimizer_step(self) -> None:
+        pass
+
+    def after_update(self) -> dict[str, float]:
+        return {}
+
+    def algorithm_state(self) -> tuple[dict, dict[str, Tensor]]:
+        return {}, {}
+
+    def load_algorithm_state(self, state: dict, tensors: dict[str, Tensor]) -> None:
+        pass
+
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, records: list[dict], iteration: int, out_dir: Path | None
                  ) -> dict[str, float]:

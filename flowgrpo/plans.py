@@ -25,6 +25,8 @@ Plan kinds (``PlanConfig.kind``):
   MixGRPO's code builds: with r steps after the window, max(int((r + 1) ratio) - 1, 1).
 * ``branch`` (Flow-GRPO-Fast): a window whose start is drawn per (iteration, group); ODE elsewhere.
 * ``one_step`` (Flash-GRPO): a single stochastic+trained step k drawn per (iteration, group).
+* ``ode``: no stochastic step, ``solver_after`` throughout (Euler or DPM-Solver++(2M)): the
+  rollouts of the algorithms that train on final samples (DiffusionNFT, AWM, DGPO, DPO).
 
 Steps before the last stochastic step are always Euler; steps after it use ``solver_after``.
 ``shared_prefix`` is the number of leading deterministic steps: when the members of a group share
@@ -183,7 +185,7 @@ class PlanConfig:
 
     kind: str = field(default="full", metadata=_help(
         "full (Flow-GRPO / DanceGRPO) | window (MixGRPO) | branch (Flow-GRPO-Fast) | "
-        "one_step (Flash-GRPO)."))
+        "one_step (Flash-GRPO) | ode (no SDE step: the sample-based algorithms' rollouts)."))
     train_fraction: float = field(default=1.0, metadata=_help(
         "full: train int(num_steps * train_fraction) of the num_steps - 1 stochastic steps "
         "(Flow-GRPO 0.99 -> 9 of 10); with train_select random_per_sample, DanceGRPO's "
@@ -498,6 +500,12 @@ def _one_step_plan(config: PlanConfig, sigmas: Tensor, iteration: int, group_id:
     return StepPlan(sigmas, (step,), (step,), config.solver_after, shared_prefix=step)
 
 
+def _ode_plan(config: PlanConfig, sigmas: Tensor, iteration: int, group_id: int,
+              seed: int, time_shift: float | None = None) -> StepPlan:
+    # no SDE step: the sample-based algorithms (nft, awm, dgpo, dpo) train on final samples
+    return StepPlan(sigmas, (), (), config.solver_after, shared_prefix=0)
+
+
 def make_plan(config: PlanConfig, base_sigmas: Tensor, iteration: int, group_id: int,
               seed: int, time_shift: float | None = None) -> StepPlan:
     """The plan of group ``group_id`` at ``iteration``; a pure function of its arguments.
@@ -560,10 +568,12 @@ def replay_steps_per_chunk(config: PlanConfig, num_steps: int) -> int:
     if config.kind == "window":
         lo, hi = _window_bounds(config, num_steps)
         return min(config.window_size, hi - lo)
+    if config.kind == "ode":
+        return 0
     return min(config.window_size, num_steps - 1)
 
 
 # plan kind -> builder(config, sigmas, iteration, group_id, seed, time_shift) -> StepPlan
 PLAN_BUILDERS = {"full": _full_plan, "window": _window_plan, "branch": _branch_plan,
-                 "one_step": _one_step_plan}
+                 "one_step": _one_step_plan, "ode": _ode_plan}
 PLAN_KINDS = tuple(PLAN_BUILDERS)

@@ -83,6 +83,18 @@ class Policy(Protocol):
     def update_metrics(self, rows: dict[str, Tensor], clip_high: float) -> dict[str, Tensor]:
         """An update's statistics from the concatenated records of its replay batches."""
 
+    def after_optimizer_step(self) -> None:
+        """Called after every optimiser step that changed the weights."""
+
+    def after_update(self) -> dict[str, float]:
+        """Called after each iteration's update; returns metrics to log."""
+
+    def algorithm_state(self) -> tuple[dict, dict[str, Tensor]]:
+        """(JSON-able state, tensors) of the training algorithm for an exact resume."""
+
+    def load_algorithm_state(self, state: dict, tensors: dict[str, Tensor]) -> None:
+        """Restore ``algorithm_state``'s output."""
+
     def evaluate(self, records: list[dict], iteration: int, out_dir: Path | None
                  ) -> dict[str, float]:
         """Held-out metrics (``eval/...``); writes samples under ``out_dir`` when given."""
@@ -164,10 +176,12 @@ def frozen_reference(config: TrainConfig, module: nn.Module) -> nn.Module | None
     """The KL reference for full fine-tuning (there is no adapter to disable): a frozen copy of
     the initial module (``training.gardo.refresh_every`` copies later weights into it). None when
     nothing compares with a reference (kl_beta, kl_reward, anchor_beta and
-    locality.keep_kl_beta all 0) or LoRA provides the reference."""
+    locality.keep_kl_beta all 0, and an algorithm other than dpo and dgpo with reference base)
+    or LoRA provides the reference."""
     t = config.training
     uses_reference = (t.kl_beta > 0 or t.kl_reward > 0 or t.anchor_beta > 0
-                      or t.locality.keep_kl_beta > 0)
+                      or t.locality.keep_kl_beta > 0 or t.algorithm == "dpo"
+                      or (t.algorithm == "dgpo" and t.dgpo.reference == "base"))
     if uses_reference and not config.model.lora.enabled:
         return copy.deepcopy(module).requires_grad_(False)
     return None

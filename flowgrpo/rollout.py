@@ -79,6 +79,11 @@ class RolloutBatch:
     media: Tensor                      # (B, 3, H, W) or (B, F, 3, H, W) float32 in [0, 1], CPU
     replay: list[ReplayBatch] = field(default_factory=list)
     nfe: int = 0                       # transformer calls per sample, summed over the batch / B
+    # (B, ...) float32 CPU final latents x0 of each row (settings.keep_final_latents), else None
+    final_latents: Tensor | None = None
+    # a replay unit a process without any replays this iteration runs at weight 0 so that it
+    # joins the gradient all-reduce (set by algorithms whose replay list may be empty: dpo)
+    padding_replay: object | None = None
     images: list[Tensor] | None = None  # B source images (3, H, W) of an editing run, else None
     kl_weights: Tensor | None = None   # (B,) KL gate weights (training.gardo), None = plain KL
     # (B, ...) edit-region weights in [0, 1] broadcastable to the latents (training.locality)
@@ -105,6 +110,7 @@ class RolloutSettings:
     schedule_bounds: tuple[float, float] | None = None   # (sigmas[1], sigmas[-1]): flash_sde
     anchor_steps: int = 0              # untrained steps kept per chunk (training.anchor_beta)
     anchor_sigma_max: float = 1.0      # ... among those with sigma <= this
+    keep_final_latents: bool = False   # keep each row's final latents (sample-based algorithms)
 
 
 def encode_rows(model: FlowModel, prompts: list[str], images: list[Tensor] | None = None
@@ -306,6 +312,7 @@ def rollout(model: FlowModel, prompts: list[str], metadata: list[dict], group_id
         buckets.setdefault(plans[int(group_ids[row])].key(), []).append(row)
 
     media_rows: list[tuple[Tensor, Tensor]] = []
+    final_rows: list[tuple[Tensor, Tensor]] = []
     replay: list[ReplayBatch] = []
     calls = 0
     for bucket_rows in buckets.values():
@@ -334,6 +341,8 @@ def rollout(model: FlowModel, prompts: list[str], metadata: list[dict], group_id
                                                     anchor_steps=anchor_steps)
             calls += chunk_calls * len(rows)
             replay.extend(chunk_replay)
+            if settings.keep_final_latents:
+                final_rows.append((rows, x.to(torch.float32).cpu()))
             media = model.decode(x.to(model.device, model.dtype)).to(torch.float32).cpu()
             media_rows.append((rows, media))
             if on_media is not None:
@@ -343,9 +352,15 @@ def rollout(model: FlowModel, prompts: list[str], metadata: list[dict], group_id
     all_media = torch.empty((batch, *first_media.shape[1:]), dtype=torch.float32)
     for rows, media in media_rows:
         all_media[rows] = media
+    final_latents = None
+    if final_rows:
+        final_latents = torch.empty((batch, *final_rows[0][1].shape[1:]), dtype=torch.float32)
+        for rows, latents in final_rows:
+            final_latents[rows] = latents
     return RolloutBatch(prompts=list(prompts), metadata=list(metadata), group_ids=group_ids,
                         sample_ids=sample_ids, media=all_media, replay=replay,
-                        nfe=calls // max(batch, 1), images=None if images is None else list(images))
+                        nfe=calls // max(batch, 1), images=None if images is None else list(images),
+                        final_latents=final_latents)
 
 
 def replay_logp(model: FlowModel, replay: ReplayBatch, cond: Conditioning, settings: RolloutSettings

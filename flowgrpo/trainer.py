@@ -325,8 +325,9 @@ class Trainer(TrainerAdvantages, TrainerCheckpoints, TrainerEvaluation):
                     last = position == length - 1
                     padding = position >= len(window)
                     if padding:   # zero-weighted, so this process joins the all-reduce
-                        replay = replays[0] if replays else batch.replay[0]
-                        weights = torch.ones(len(replay.rows), device=replay.logp_old.device)
+                        replay = replays[0] if replays else (
+                            batch.replay[0] if batch.replay else batch.padding_replay)
+                        weights = torch.ones(len(replay.rows), device=acc.device)
                     else:
                         replay, weights = replays[window[position]], step_weights[window[position]]
                     set_gradient_sync(acc, last)
@@ -340,7 +341,8 @@ class Trainer(TrainerAdvantages, TrainerCheckpoints, TrainerEvaluation):
                     for key, value in record.items():   # detached by contract; a detach is an op
                         rows.setdefault(key, []).append(
                             value.detach() if value.requires_grad else value)
-                    if epoch == 0 and step == 0:   # before any optimiser step: must be exactly 1
+                    # before any optimiser step: must be exactly 1 (algorithms with a ratio)
+                    if epoch == 0 and step == 0 and "ratio_max_dev" in record:
                         first_pass_dev.append(record["ratio_max_dev"])
                 norm, stepped = self.optimizer_step()
                 grad_norms.append(norm)
@@ -393,6 +395,8 @@ class Trainer(TrainerAdvantages, TrainerCheckpoints, TrainerEvaluation):
         self.optimizer.zero_grad(set_to_none=True)
         if stepped and self.ema is not None:
             self.ema.step()
+        if stepped:
+            self.policy.after_optimizer_step()
         limit = self.config.training.max_consecutive_skipped_steps
         self.skipped_in_a_row = 0 if stepped else self.skipped_in_a_row + 1
         if limit and self.skipped_in_a_row >= limit:
@@ -420,6 +424,7 @@ class Trainer(TrainerAdvantages, TrainerCheckpoints, TrainerEvaluation):
             metrics.update(self.observe_curriculum(iteration))
         began = time.perf_counter()
         metrics.update(self.update(batch, advantages, iteration))
+        metrics.update(self.policy.after_update())
         if self.config.training.gardo.refresh:
             metrics.update(self.refresh_reference(iteration + 1, metrics))
         metrics.update(timing)

@@ -66,6 +66,12 @@ class TrainerCheckpoints:
             if self.accelerator.scaler is not None:
                 extra["grad_scaler"] = self.accelerator.scaler.state_dict()
             tensor_files = {}
+            algorithm_state, algorithm_tensors = self.policy.algorithm_state()
+            if algorithm_state or algorithm_tensors:
+                extra["algorithm"] = {"name": self.config.training.algorithm,
+                                      "state": algorithm_state}
+                if algorithm_tensors:
+                    tensor_files[ckpt.ALGORITHM] = algorithm_tensors
             if self.config.training.gardo.refresh:
                 extra["reference_refreshed_at"] = self.reference_refreshed_at
                 if self.reference_refreshed_at is not None:
@@ -154,6 +160,7 @@ class TrainerCheckpoints:
         self.start_iteration = int(state["state"]["iteration"])
         if self.config.training.gardo.refresh:
             self.resume_reference(path, state["state"])
+        self.resume_algorithm(path, state["state"])
         if self.best is not None:
             self.restore_best(state["state"].get("best"))
         if self.curriculum is not None:
@@ -163,6 +170,24 @@ class TrainerCheckpoints:
                 print(f"checkpoint {path} has no curriculum state (saved without "
                       f"prompts.curriculum): the curriculum starts from its prior", flush=True)
         self.check_replicas(f"resuming from {path}")
+
+    def resume_algorithm(self, path: Path, state: dict) -> None:
+        """The training algorithm's state of checkpoint ``path`` (the old policy of nft / dgpo
+        and its optimiser-step count), when the algorithm keeps any."""
+        expected, _ = self.policy.algorithm_state()
+        saved = state.get("algorithm")
+        if saved is None:
+            if expected and self.accelerator.is_main_process:
+                print(f"checkpoint {path} has no {self.config.training.algorithm} state: its old "
+                      f"policy starts as the resumed weights", flush=True)
+            return
+        if saved["name"] != self.config.training.algorithm:
+            raise InputError(f"checkpoint {path} was trained with training.algorithm "
+                             f"{saved['name']!r}, the config says "
+                             f"{self.config.training.algorithm!r}: resume with the same algorithm")
+        tensors = load_file(str(path / ckpt.ALGORITHM)) if (path / ckpt.ALGORITHM).is_file() \
+            else {}
+        self.policy.load_algorithm_state(saved["state"], tensors)
 
     def resume_reference(self, path: Path, state: dict) -> None:
         """The refreshed KL reference of checkpoint ``path`` (training.gardo.refresh_every /

@@ -94,7 +94,7 @@ def test_anchor_is_zero_at_the_reference_and_pulls_back_after_a_perturbation(
     batch, rewards, _ = trainer.rollout_and_score(0)
     replay = next(r for r in batch.replay if r.anchors)
     assert {a.step for a in replay.anchors} <= {1, 2, 3}         # untrained steps of the branch
-    penalty = trainer.policy.anchor_penalty(batch, replay.anchors, trainer.policy.settings(0))
+    penalty = trainer.policy.algorithm.anchor_penalty(batch, replay.anchors, trainer.policy.settings(0))
     assert float(penalty.detach()) == 0.0                         # policy == reference
     # Move the policy away from the reference, then train on the anchor alone (the reward is
     # constant, so advantages are 0): the gap must shrink.

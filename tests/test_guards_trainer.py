@@ -44,6 +44,7 @@ def _reference_gap(trainer, iteration: int = 7) -> float:
 def test_guards_off_never_run(tiny_sd3_path, tmp_path, monkeypatch):
     """Every guard off (the default): none of their code runs and the batch carries no gate,
     so training takes exactly the path it takes without the guards."""
+    import flowgrpo.algorithms.grpo
     import flowgrpo.flow_policy
     import flowgrpo.trainer_advantages as advantages_module
 
@@ -53,7 +54,7 @@ def test_guards_off_never_run(tiny_sd3_path, tmp_path, monkeypatch):
     for name in ("diversity_weights", "kl_gate_weights", "saturation_weights",
                  "gate_uncertainty", "media_features"):
         monkeypatch.setattr(advantages_module, name, boom)
-    monkeypatch.setattr(flowgrpo.flow_policy.FlowPolicy, "_gated_kl_loss", boom)
+    monkeypatch.setattr(flowgrpo.algorithms.grpo.GRPO, "gated_kl", boom)
     monkeypatch.setattr(flowgrpo.flow_policy.FlowPolicy, "refresh_reference", boom)
     trainer = Trainer(tiny_config(tiny_sd3_path, tmp_path, "training.kl_beta=0.1",
                                   "run.max_iterations=2", "run.comparison_grid=false"))

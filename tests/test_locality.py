@@ -583,7 +583,7 @@ def test_a_keep_region_kl_holds_the_rest_at_the_reference(keep_region, edit_dir,
                                       "sampling.rollout_batch_size=8"))
     assert trainer.policy.reference_module is not None
     regions = []
-    weights_of = trainer.policy.preservation_weights
+    weights_of = trainer.policy.algorithm.preservation_weights
 
     def recording_region(batch, replay, device):
         out = weights_of(batch, replay, device)
@@ -752,7 +752,7 @@ def test_keep_source_regresses_the_preservation_region_onto_the_source(edit_dir,
         return original_velocity(latents, sigmas, cond, guidance_scale)
 
     batches = []
-    original_loss = policy.keep_source_loss
+    original_loss = policy.algorithm.keep_source_loss
 
     def recording_loss(batch, replay, cond, settings, iteration):
         start = len(inputs)
@@ -764,13 +764,13 @@ def test_keep_source_regresses_the_preservation_region_onto_the_source(edit_dir,
         batches.append((batch, replay, inputs[start:], out))
         return out
 
-    monkeypatch.setattr(policy, "keep_source_loss", recording_loss)
+    monkeypatch.setattr(policy.algorithm, "keep_source_loss", recording_loss)
     metrics = trainer.run_iteration(0)
     assert len(batches) == metrics["train/replay_batches"] >= 2
     terms = []
     calls_iter = iter(calls)
     for batch, replay, forwards, out in batches:
-        region = policy.preservation_weights(batch, replay, torch.device("cpu"))
+        region = policy.algorithm.preservation_weights(batch, replay, torch.device("cpu"))
         has = (region.flatten(1).sum(1) > 0).nonzero().flatten()
         if has.numel() == 0:     # only one-object edits: no term, no forward
             assert out is None and forwards == []

@@ -13,6 +13,7 @@ import torch
 from flowgrpo.config import load_config
 from flowgrpo.ema import EMA, ema_decay
 from flowgrpo.flow_batches import ema_updates_per_step, rollout_sigmas
+from flowgrpo.algorithms.grpo import GRPO
 from flowgrpo.flow_policy import FlowPolicy
 from flowgrpo.losses import (batch_mean_dt_weights, flow_kl, guard_log_ratio, policy_loss,
                              std_over_sqrt_dt_weights)
@@ -25,6 +26,8 @@ def _policy(config, processes: int = 1):
     policy = object.__new__(FlowPolicy)
     policy.config = config
     policy.accelerator = SimpleNamespace(num_processes=processes)
+    policy.algorithm = object.__new__(GRPO)    # its step weights read only the config
+    policy.algorithm.policy, policy.algorithm.config = policy, config
     return policy
 
 

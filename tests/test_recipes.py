@@ -246,9 +246,13 @@ def test_step_weights_are_normalised_over_every_process():
     transitions of all processes, so the same step gets the same weight on every process."""
     from flowgrpo.flow_policy import FlowPolicy
 
+    from flowgrpo.algorithms.grpo import GRPO
+
     policy = object.__new__(FlowPolicy)
     policy.config = SimpleNamespace(training=SimpleNamespace(
         dt_reweight=True, rectification=False, dt_reweight_norm="iteration", loss_scale="none"))
+    policy.algorithm = object.__new__(GRPO)     # its step weights read only the config
+    policy.algorithm.policy, policy.algorithm.config = policy, policy.config
     replay = SimpleNamespace(logp_old=torch.zeros(2), sigmas=torch.tensor([0.9, 0.9]),
                              sigmas_next=torch.tensor([0.8, 0.8]), std=torch.ones(2))
     raw = 1 / (0.9 - 0.8)

@@ -1,0 +1,66 @@
+"""AWM, Advantage Weighted Matching (arXiv 2509.25050; Flow-Factory ``trainers/awm.py``).
+
+Pretraining's flow-matching loss on the policy's own final samples, weighted by their advantages:
+the "log-prob" of a sample at a noise level is minus its (weighted) matching error
+(``matching_losses.awm_log_prob``), and the loss is the clipped surrogate on it
+(``losses.policy_loss``, ``training.clip_low`` / ``clip_high``), so at ratio 1 its gradient is
+sum_i A_i d e_i. The old log-prob of a replay unit is taken at its first pass (ratio exactly 1);
+a second inner epoch is clipped against it. ``training.kl_beta`` adds the velocity KL to the
+reference.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from flowgrpo.algorithms.base import FlowAlgorithm, sample_units, unit_inputs
+from flowgrpo.algorithms.nft import weighted_mean
+from flowgrpo.losses import policy_loss, surrogate_stats
+from flowgrpo.matching_losses import awm_log_prob, velocity_error
+
+
+class AWM(FlowAlgorithm):
+    name = "awm"
+    keeps_transitions = False
+
+    def replays(self, batch, iteration: int, rewards=None) -> list:
+        return sample_units(batch, self.policy.base_sigmas, self.config, iteration,
+                            whole_groups=False, shared_sigmas=False, group_noise=False)
+
+    def loss(self, batch, replay, advantages: Tensor, iteration: int, clip_high: float,
+             weights: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+        policy, t = self.policy, self.config.training
+        model = policy.model
+        _, latents, target, sigmas = unit_inputs(policy, batch, replay, iteration)
+        cond = policy.replay_condition(batch, replay)
+        guidance = policy.settings(iteration).guidance_scale
+        inputs = latents.to(model.dtype)
+        with policy.training_forward():
+            velocity = model.velocity(inputs, sigmas, cond, guidance).float()
+        logp = awm_log_prob(velocity, target, sigmas, t.awm.weighting, t.awm.power)
+        if "logp_old" not in replay.cache:      # the first pass: the rollout's policy
+            replay.cache["logp_old"] = logp.detach()
+        logp_old = replay.cache["logp_old"]
+        adv = advantages[replay.rows].to(logp.device).float()
+        loss = policy_loss(logp, logp_old, adv, t.clip_low, clip_high, weights=weights)
+        log_ratio = logp.detach() - logp_old
+        record = {"log_ratio": log_ratio, "advantages": adv, "weights": weights,
+                  "ratio_max_dev": torch.expm1(log_ratio).abs().max(),
+                  "policy_loss": loss.detach(), "matching_error": (-logp.detach()).mean()}
+        if t.kl_beta > 0:
+            with torch.no_grad(), policy.reference_policy():
+                velocity_ref = model.velocity(inputs, sigmas, cond, guidance).float()
+            kl = weighted_mean(velocity_error(velocity, velocity_ref), weights)
+            loss = loss + t.kl_beta * kl
+            record["kl"] = kl.detach()
+        return loss, record
+
+    def update_metrics(self, rows: dict[str, Tensor], clip_high: float) -> dict[str, Tensor]:
+        if not rows:
+            return {}
+        stats = surrogate_stats(rows["log_ratio"], rows["advantages"],
+                                self.config.training.clip_low, clip_high, rows["weights"])
+        for key in ("policy_loss", "matching_error", "kl"):
+            if key in rows:
+                stats[key] = rows[key].float().mean()
+        return stats
