@@ -59,6 +59,12 @@ from typing import Any, Callable, Iterable, Sequence
 if importlib.util.find_spec("flowgrpo") is None:   # run from a checkout that is not installed
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from flowgrpo.config_algorithms import (AWMConfig, DGPOConfig, DPOConfig,  # noqa: E402 (after the path set-up)
+                                        NFTConfig, TimestepsConfig)
+
+_ALGORITHM_SECTIONS = {"timesteps": TimestepsConfig, "nft": NFTConfig, "awm": AWMConfig,
+                       "dgpo": DGPOConfig, "dpo": DPOConfig}
+
 ROOT = Path(__file__).resolve().parents[1]
 ACCURACY_KEY = "eval/geneval_toy.exact/family_mean"
 DEFAULT_OUT = "benchmarks/results/methods"
@@ -73,6 +79,9 @@ FIELDS_ADDED_SINCE_RESULTS: dict[tuple[str, ...], object] = {
     ("training", "locality", "keep_kl_beta"): 0.0,
     ("training", "locality", "keep_source_beta"): 0.0,
     ("prompts", "balance_weights"): {},
+    # training.algorithm and its sections (every earlier result is grpo with their defaults)
+    ("training", "algorithm"): "grpo",
+    **{("training", name): asdict(section()) for name, section in _ALGORITHM_SECTIONS.items()},
 }
 # A ratio of two held-out gains is reported only when both reach one point: below that the
 # ratio is evaluation noise (a baseline at +0.000 once gave a ratio of 2e7).
@@ -86,8 +95,8 @@ TUNE_SEED = 100                # tuning's training seed, kept apart from the tab
 class Method:
     """A method of the benchmark: its config and the settings its tuning tries.
 
-    noise_levels: the two noise levels the tuning tries, the anchor's value first (the tuning's
-    tie-break prefers it). window_visits: for MixGRPO's progressive window, how many positions it
+    noise_levels: the noise levels the tuning tries, the anchor's value first (the tuning's
+    tie-break prefers it); one for the sample-based algorithms, whose ODE rollouts have none. window_visits: for MixGRPO's progressive window, how many positions it
     visits in a run; ``shift_interval = round(max_iterations / window_visits)`` (the config
     header says why). calibrated: whether ``--calibrate --write-configs`` writes the config's
     run.max_iterations (not for the embedded default and its curriculum twin, which keep the
@@ -97,7 +106,7 @@ class Method:
     name: str
     label: str
     config: str
-    noise_levels: tuple[float, float]
+    noise_levels: tuple[float, ...]
     window_visits: int = 0
     calibrated: bool = True
     editable: bool = True
@@ -125,6 +134,10 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("flow_grpo_fast_cps", "Flow-GRPO-Fast (CPS)",
            "configs/toy_methods/flow_grpo_fast_cps.yaml", (0.8, 0.5)),
     Method("flash_grpo", "Flash-GRPO", "configs/toy_methods/flash_grpo.yaml", (1.0, 2.0)),
+    Method("nft", "DiffusionNFT", "configs/toy_methods/nft.yaml", (0.7,)),
+    Method("awm", "AWM", "configs/toy_methods/awm.yaml", (0.7,)),
+    Method("dgpo", "DGPO", "configs/toy_methods/dgpo.yaml", (0.7,)),
+    Method("dpo", "Diffusion-DPO (online)", "configs/toy_methods/dpo.yaml", (0.7,)),
 )}
 
 # CI-sized runs: a tiny batch and evaluation (2 per family = 12 samples, 8 Euler steps).

@@ -36,7 +36,7 @@ update = ``time/update`` (replay forwards, backwards, optimiser steps). "total" 
 
 The overhead (instrumented wall - model) is broken down by timing, the same way, what the loop calls besides
 the model: "maths" = the SDE transitions / DPM steps / policy loss (``flowgrpo.rollout.transition``,
-``score_step``, ``dpmpp_2m_step``, ``flowgrpo.flow_policy.policy_loss``, ``guard_log_ratio``, ``flow_kl``) and their
+``score_step``, ``dpmpp_2m_step``, ``flowgrpo.algorithms.grpo.policy_loss``, ``guard_log_ratio``, ``flow_kl``) and their
 backward, "noise" =
 per-sample seeded noise (``StepNoise``, ``initial_noise``), "cond" = ``encode_prompts`` minus the
 text encoders' own forward (the prompt-cache lookups), "adapt" = ``model.velocity`` minus the
@@ -240,7 +240,7 @@ def timed_functions(clock: ModelClock, device: torch.device) -> Iterator[None]:
     """Time the loop's non-model callees (see the module docstring) by patching the names the
     rollout and the trainer look up; restored on exit."""
     import flowgrpo.rollout as rollout_module
-    import flowgrpo.flow_policy as trainer_module
+    import flowgrpo.algorithms.grpo as trainer_module
 
     targets = [(rollout_module, "transition", "maths"), (rollout_module, "score_step", "maths"),
                (rollout_module, "dpmpp_2m_step", "maths"),

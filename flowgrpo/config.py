@@ -382,7 +382,7 @@ def _check_algorithm(config: TrainConfig, num_processes: int) -> None:
     if config.policy != "flow":
         raise ConfigError(f"training.algorithm {t.algorithm!r} trains flow-matching models; "
                           f"policy: llm trains with grpo (set training.algorithm: grpo)")
-    if s.plan.kind == "ode" and s.share_initial_noise and t.dpo.pairs is None:
+    if s.plan.kind == "ode" and s.share_initial_noise:
         raise ConfigError("sampling.plan.kind 'ode' with sampling.share_initial_noise: every "
                           "sample of a group would be the same image (a deterministic sampler "
                           "from one noise), so no group has reward variance: set "

@@ -125,11 +125,6 @@ class DPOConfig:
     beta: float = _help(
         "Diffusion-DPO's beta in -log sigmoid(-beta / 2 [(e_w - e_ref_w) - (e_l - e_ref_l)]). "
         "Flow-Factory's SD3.5 example: 100.", default=100.0)
-    pairs: str | None = _help(
-        "Offline preference pairs: a .jsonl of {\"prompt\", \"chosen\", \"rejected\"} (image "
-        "paths, relative to the file) trained instead of online pairs; each iteration draws "
-        "training.prompts_per_iteration pairs. None: online pairs, the best and the worst "
-        "sample of each group.", default=None)
 
     def validate(self) -> None:
         positive(self.beta, "training.dpo.beta")

@@ -499,8 +499,7 @@ class TrainingConfig:
         "clipped policy gradient on the exact log-probs of SDE transitions: Flow-GRPO, "
         "DanceGRPO, MixGRPO, GRPO-Guard, Flash-GRPO), or on final samples re-noised by the "
         "forward process: 'nft' (DiffusionNFT), 'awm' (advantage weighted matching), 'dgpo' "
-        "(direct group preference), 'dpo' (Diffusion-DPO on best/worst pairs or offline "
-        "pairs). The sample-based ones roll out with any solver (sampling.plan.kind: ode) and "
+        "(direct group preference), 'dpo' (Diffusion-DPO on each group's best/worst pair). The sample-based ones roll out with any solver (sampling.plan.kind: ode) and "
         "keep no transitions.", default="grpo")
     prompts_per_iteration: int = _help("Groups (distinct prompts) per iteration, over all processes.",
                                        default=8)
@@ -688,10 +687,7 @@ class TrainingConfig:
             raise ConfigError("training.adv_clip is 0, but DiffusionNFT maps advantages in "
                               "[-adv_clip, adv_clip] to its weight r: set adv_clip > 0 (the "
                               "reference uses 5)")
-        if self.dpo.pairs is not None and self.algorithm == "dpo" and self.group_size != 2:
-            raise ConfigError(f"training.dpo.pairs trains offline pairs, each a group of two "
-                              f"(chosen, rejected): set training.group_size: 2 (got "
-                              f"{self.group_size})")
+
 
 
 @dataclass

@@ -492,7 +492,7 @@ def test_an_editing_iteration_with_locality(mask, edit_weight, silent_share, kee
     """A whole iteration: region masks on the batch, two advantages per sample, the region loss
     on replay (first-pass ratio exactly 1 in both regions, weighed by edit_weight when set, the
     silent regions' shares reassigned when asked), and the weights move."""
-    import flowgrpo.flow_policy as flow_policy
+    import flowgrpo.algorithms.grpo as flow_policy
     from flowgrpo.trainer import Trainer
 
     weighted = []
@@ -561,7 +561,7 @@ def test_a_keep_region_kl_holds_the_rest_at_the_reference(keep_region, edit_dir,
     replay batch's KL runs over the preservation region (the records' keep masks outside the
     edit region, or the whole rest), is exactly 0 before the first optimizer step (the policy is
     the reference), and enters the loss as beta times its mean over the rows with a region."""
-    import flowgrpo.flow_policy as flow_policy
+    import flowgrpo.algorithms.grpo as flow_policy
     from flowgrpo.trainer import Trainer
 
     calls = []
@@ -593,7 +593,7 @@ def test_a_keep_region_kl_holds_the_rest_at_the_reference(keep_region, edit_dir,
         regions.append((out, expected))
         return out
 
-    monkeypatch.setattr(trainer.policy, "preservation_weights", recording_region)
+    monkeypatch.setattr(trainer.policy.algorithm, "preservation_weights", recording_region)
     metrics = trainer.run_iteration(0)
     assert len(calls) == len(regions) == metrics["train/replay_batches"] >= 2
     for (region, kl), (out, expected) in zip(calls, regions):
@@ -724,7 +724,7 @@ def test_keep_source_regresses_the_preservation_region_onto_the_source(edit_dir,
     region are re-noised at their step's sigma from a target that is the source there and the
     row's own sample elsewhere; the term is the mean of region_flow_matching over those rows,
     no reference model is needed, and it enters the update's statistics."""
-    import flowgrpo.flow_policy as flow_policy
+    import flowgrpo.algorithms.grpo as flow_policy
     from flowgrpo.trainer import Trainer
 
     calls = []

@@ -67,6 +67,12 @@ IS = {
 }
 
 
+# The sample-based algorithms: ODE rollouts (Euler, 16 steps) from independent noise, each final
+# sample trained at `levels` noise levels per iteration.
+SAMPLE_IS = {"nft": dict(levels=2, kl_beta=1e-4), "awm": dict(levels=2, kl_beta=1e-4),
+             "dgpo": dict(levels=2, kl_beta=1e-3), "dpo": dict(levels=2, kl_beta=0.0)}
+
+
 def plans_of(config, iterations, groups=range(8)):
     sigmas = torch.linspace(1, 0, config.sampling.num_steps + 1)
     return {(it, g): make_plan(config.sampling.plan, sigmas, it, g, config.run.seed)
@@ -74,7 +80,7 @@ def plans_of(config, iterations, groups=range(8)):
 
 
 def test_the_table_covers_every_method_and_every_config_file(bench):
-    assert set(IS) == set(bench.METHODS)
+    assert set(IS) | set(SAMPLE_IS) == set(bench.METHODS)
     files = {p.name for p in (ROOT / "configs" / "toy_methods").glob("*.yaml")}
     assert files == {Path(m.config).name for m in bench.METHODS.values()
                      if m.config.startswith("configs/toy_methods/")}
@@ -131,7 +137,19 @@ def test_each_config_is_its_method(bench, name):
         assert len(set(subsets)) > 1
 
 
-@pytest.mark.parametrize("name", sorted(IS))
+@pytest.mark.parametrize("name", sorted(SAMPLE_IS))
+def test_each_sample_config_is_its_algorithm(bench, name):
+    config = method_config(bench, name)
+    s, t = config.sampling, config.training
+    assert t.algorithm == name and s.plan.kind == "ode" and s.plan.solver_after == "euler"
+    assert s.num_steps == 16 and not s.share_initial_noise
+    assert t.timesteps.count == SAMPLE_IS[name]["levels"]
+    assert t.kl_beta == SAMPLE_IS[name]["kl_beta"]
+    plan = plans_of(config, [0])[(0, 0)]
+    assert plan.stochastic == () and plan.trained == ()
+
+
+@pytest.mark.parametrize("name", sorted(IS) + sorted(SAMPLE_IS))
 def test_every_method_takes_the_toy_world_base_batch_and_evaluation(bench, name):
     default = to_dict(method_config(bench, "default"))
     mine = to_dict(method_config(bench, name))
@@ -143,6 +161,9 @@ def test_every_method_takes_the_toy_world_base_batch_and_evaluation(bench, name)
               ("training", "lr_decay"), ("training", "lr_final_ratio"), ("training", "kl_beta"),
               ("training", "adv_scale"), ("training", "skip_zero_std_groups"),
               ("training", "ema"), ("rewards",)]
+    if name in SAMPLE_IS:   # their anchors' own velocity KL and zero-variance handling
+        shared = [p for p in shared if p not in (("training", "kl_beta"),
+                                                 ("training", "skip_zero_std_groups"))]
     for path in shared:
         a, b = default, mine
         for part in path:

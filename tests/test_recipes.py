@@ -30,11 +30,17 @@ SHIPPED = {
     "qwen_image_ocr": (2, 32),   # Flow-GRPO pickscore_qwenimage: gpu_number 32
     "wan22_video": (2, 8),       # Flow-GRPO general_ocr_wan2_1's per-GPU layout on 8 GPUs
 }
+# The sample-based algorithms' recipes: (optimiser steps per epoch, the anchor's process count).
+SAMPLE_SHIPPED = {
+    "sd3_nft_pickscore": (1, 8),  # DiffusionNFT sd3_pickscore: n_gpus 8, gradient_step_per_epoch 1
+}
 # The anchors' accumulation in replay batches (our unit: rows of one step) at their process count:
 # Flow-GRPO accumulates num_batches_per_epoch // 2 sample batches x the trained timesteps.
 ANCHOR_ACCUMULATION = {"sd3_ocr": 2 * 9, "sd3_pickscore": 2 * 9, "sd3_fast_cps": 2 * 3,
                        "flux_flowgrpo": 6 * 5, "flux_pickscore": 1, "wan_video": 1,
-                       "kontext_edit": 6 * 5, "qwen_image_ocr": 2 * 2, "wan22_video": 1 * 19}
+                       "kontext_edit": 6 * 5, "qwen_image_ocr": 2 * 2, "wan22_video": 1 * 19,
+                       # DiffusionNFT: 16 sample batches x 9 timesteps a step
+                       "sd3_nft_pickscore": 16 * 9}
 # Recipes whose OCR reward scores random tiny images 0 (no group varies): their tiny runs score
 # JPEG size instead, so that steps are taken.
 OCR_RECIPES = ("sd3_ocr", "qwen_image_ocr", "wan22_video")
@@ -51,6 +57,8 @@ METHOD_FIELDS = [
     "training.rectification", "training.dt_reweight_norm", "training.loss_scale",
     "training.ema", "training.skip_zero_std_groups",
     "model.family", "model.lora", "rewards.aggregation",
+    "training.algorithm", "training.timesteps", "training.nft", "training.awm", "training.dgpo",
+    "training.dpo",
 ]
 
 
@@ -79,11 +87,11 @@ def _run_tiny(name: str, root, out, overrides=()):
 # --------------------------------------------------------------------- the recipes as shipped
 
 
-@pytest.mark.parametrize("name", sorted(SHIPPED))
+@pytest.mark.parametrize("name", sorted(SHIPPED) + sorted(SAMPLE_SHIPPED))
 def test_shipped_recipe_steps_the_optimiser_like_its_anchor(name):
     """optimizer_steps_per_epoch gives exactly the anchor's steps per epoch at its process count
     and on one 8-GPU node, and at the anchor's count the accumulation equals the anchor's."""
-    steps, anchor_processes = SHIPPED[name]
+    steps, anchor_processes = {**SHIPPED, **SAMPLE_SHIPPED}[name]
     config = load_config(f"configs/{name}.yaml")
     assert config.training.optimizer_steps_per_epoch == steps
     assert config.training.num_inner_epochs == 1
@@ -99,7 +107,7 @@ def test_shipped_recipe_steps_the_optimiser_like_its_anchor(name):
 # --------------------------------------------------------------------- --tiny
 
 
-@pytest.mark.parametrize("name", sorted(SHIPPED))
+@pytest.mark.parametrize("name", sorted(SHIPPED) + sorted(SAMPLE_SHIPPED))
 def test_tiny_config_keeps_the_method_settings_and_shrinks_the_rest(name, tiny_builds):
     recipe = load_config(f"configs/{name}.yaml")
     tiny = load_tiny_config(f"configs/{name}.yaml", root=tiny_builds)
@@ -177,6 +185,22 @@ def test_shipped_recipe_runs_two_iterations_on_its_tiny_build(name, tiny_builds,
         assert record["train/ratio_max"] > 1.0 or record["train/ratio_min"] < 1.0
         assert record["reward/nan_count"] == 0
     assert (trainer.run_dir / "checkpoints" / "2").is_dir()
+
+
+@pytest.mark.parametrize("name", sorted(SAMPLE_SHIPPED))
+def test_sample_recipe_runs_two_iterations_on_its_tiny_build(name, tiny_builds, tmp_path):
+    """A sample-based recipe on its tiny build: every final sample at its levels, the recipe's
+    optimiser steps, the old policy's decay after each iteration, a checkpoint with it."""
+    config, trainer, train = _run_tiny(name, tiny_builds, tmp_path / "runs")
+    t = config.training
+    assert len(train) == 2
+    for record in train:
+        assert record["train/optimizer_steps"] == SAMPLE_SHIPPED[name][0]
+        assert record["trained_transitions"] == \
+            t.prompts_per_iteration * t.group_size * t.timesteps.count
+        assert math.isfinite(record["train/policy_loss"]) and record["reward/nan_count"] == 0
+    assert [r["train/old_decay"] for r in train] == [pytest.approx(0.001), pytest.approx(0.002)]
+    assert (trainer.run_dir / "checkpoints" / "2" / "algorithm.safetensors").is_file()
 
 
 def test_a_tiny_clip_range_clips(tiny_builds, tmp_path):

@@ -54,7 +54,7 @@ def test_first_pass_deviation_reports_a_policy_change_before_the_update(tiny_sd3
 def test_negative_step_weights_are_refused_once_per_update(tiny_sd3_path, tmp_path, monkeypatch):
     """The loss skips its per-call weight check (a host sync on GPU) because step_weights
     checks the iteration's weights once."""
-    import flowgrpo.flow_policy as trainer_module
+    import flowgrpo.algorithms.grpo as trainer_module
 
     monkeypatch.setattr(trainer_module, "rectification_weights",
                         lambda sigmas, sigmas_next, std, normalize:

@@ -1,9 +1,8 @@
 """Diffusion-DPO (arXiv 2311.12908) for flow models (Flow-Factory ``trainers/dpo.py``).
 
 Online: the best and the worst sample of each group (by total reward; a group whose finite
-rewards are all equal gives no pair) form a (chosen, rejected) pair; offline: pairs of a
-preference file (``training.dpo.pairs``, loaded as groups of two by the policy). Both samples of
-a pair are re-noised at the same level with the same noise, and the loss is
+rewards are all equal gives no pair) form a (chosen, rejected) pair (offline pairs from a
+preference file are not implemented yet). Both samples of a pair are re-noised at the same level with the same noise, and the loss is
 -log sigmoid(-beta / 2 [(e_w - e_ref_w) - (e_l - e_ref_l)]) (``matching_losses.
 diffusion_dpo_loss``), log 2 while the policy is the reference.
 """
