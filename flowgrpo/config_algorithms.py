@@ -109,9 +109,14 @@ class DGPOConfig:
     sample_with_old_after: int = _help(
         "Roll out with the old policy after this many optimiser steps (DGPO's switch_ema_ref: "
         "200); -1: never.", default=200)
+    guidance_scale: float = _help(
+        "CFG scale of DGPO's training forwards (policy, old policy, reference), whatever "
+        "sampling.guidance_scale the rollouts use: the reference trains CFG-free (1.0).",
+        default=1.0)
 
     def validate(self) -> None:
         positive(self.beta, "training.dgpo.beta")
+        positive(self.guidance_scale, "training.dgpo.guidance_scale")
         choice(self.reference, ("base", "old"), "training.dgpo.reference")
         _old_policy_rules(self, "training.dgpo")
         if self.sample_with_old_after < -1:

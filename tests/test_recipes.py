@@ -33,6 +33,7 @@ SHIPPED = {
 # The sample-based algorithms' recipes: (optimiser steps per epoch, the anchor's process count).
 SAMPLE_SHIPPED = {
     "sd3_nft_pickscore": (1, 8),  # DiffusionNFT sd3_pickscore: n_gpus 8, gradient_step_per_epoch 1
+    "sd3_dgpo_pickscore": (1, 4),  # Flow-Factory's DGPO SD3.5 example: 4 ranks, one step an epoch
 }
 # The anchors' accumulation in replay batches (our unit: rows of one step) at their process count:
 # Flow-GRPO accumulates num_batches_per_epoch // 2 sample batches x the trained timesteps.
@@ -40,7 +41,10 @@ ANCHOR_ACCUMULATION = {"sd3_ocr": 2 * 9, "sd3_pickscore": 2 * 9, "sd3_fast_cps":
                        "flux_flowgrpo": 6 * 5, "flux_pickscore": 1, "wan_video": 1,
                        "kontext_edit": 6 * 5, "qwen_image_ocr": 2 * 2, "wan22_video": 1 * 19,
                        # DiffusionNFT: 16 sample batches x 9 timesteps a step
-                       "sd3_nft_pickscore": 16 * 9}
+                       "sd3_nft_pickscore": 16 * 9,
+                       # DGPO: 12 micro-batches of half a group x 4 levels there; whole groups
+                       # (the preference is a group's) here: 6 groups x 4 levels
+                       "sd3_dgpo_pickscore": 6 * 4}
 # Recipes whose OCR reward scores random tiny images 0 (no group varies): their tiny runs score
 # JPEG size instead, so that steps are taken.
 OCR_RECIPES = ("sd3_ocr", "qwen_image_ocr", "wan22_video")

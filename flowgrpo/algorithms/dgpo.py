@@ -9,7 +9,8 @@ sigmoid(z) A_i e_i (``matching_losses.dgpo_loss``): for one group its gradient i
 ratio exp(e_old - e) to the old policy (an EMA of the trained weights, updated every optimiser
 step) left [1 - clip_low, 1 + clip_high] on its advantage's side gets no gradient. After
 ``sample_with_old_after`` optimiser steps the rollouts use the old policy. ``training.kl_beta``
-adds the velocity KL to the reference.
+adds the velocity KL to the reference. The training forwards use ``training.dgpo.guidance_scale``
+(1: CFG-free, as the reference), whatever the sampler's scale.
 """
 from __future__ import annotations
 
@@ -62,7 +63,7 @@ class DGPO(FlowAlgorithm):
         _, latents, target, sigmas = unit_inputs(policy, batch, replay, iteration,
                                                  per_slot_noise=not d.shared_noise)
         cond = policy.replay_condition(batch, replay)
-        guidance = policy.settings(iteration).guidance_scale
+        guidance = d.guidance_scale     # CFG-free training whatever the sampler's scale
         inputs = latents.to(model.dtype)
         with policy.training_forward():
             velocity = model.velocity(inputs, sigmas, cond, guidance).float()
