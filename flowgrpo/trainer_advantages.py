@@ -1,5 +1,7 @@
 """The learning signal of an iteration: the rewards gathered over every process, the advantages
-(``advantages.py``: group / batch scaling, decoupled multi-reward, saturation weights), the guards
+(``advantages.py``: group / batch scaling, decoupled multi-reward, saturation weights, regions;
+one estimator per kind in ``ADVANTAGE_ESTIMATORS``, picked from the config by
+``advantage_estimator``), the guards
 against reward hacking on the gathered batch (``training.gardo``: diversity-aware amplification,
 the KL gate, the reference refresh) and the curriculum's record of mixed groups.
 
@@ -21,6 +23,87 @@ from flowgrpo.guards import gate_uncertainty, media_features
 from flowgrpo.prompts import mixed_groups
 
 
+Estimate = tuple[Tensor, dict[str, float], dict[str, float]]
+
+
+def region_estimate(config, weights: dict[str, float], gathered: dict[str, Tensor],
+                    group_ids: Tensor) -> Estimate:
+    """(B, 2) advantages of training.locality: the group advantages of its edit_key's and
+    keep_key's rewards (``advantages.region_advantages``), for the edit region and the rest."""
+    t = config.training
+    locality = t.locality
+    for name in ("edit_key", "keep_key"):
+        key = getattr(locality, name)
+        if key not in gathered:
+            raise ConfigError(f"training.locality.{name}: the rewards output no {key!r}; "
+                              f"they output {', '.join(sorted(gathered))}: use one of them")
+    advantages, stats = region_advantages(gathered[locality.edit_key], gathered[locality.keep_key],
+                                          group_ids, scale=t.adv_scale, ddof=t.adv_ddof,
+                                          eps=t.adv_eps, clip=t.adv_clip or None)
+    return advantages, stats, {}
+
+
+def per_component_estimate(config, weights: dict[str, float], gathered: dict[str, Tensor],
+                           group_ids: Tensor) -> Estimate:
+    """GDPO (rewards.aggregation decoupled / decoupled_sum): each weighted component normalised
+    in its groups, then summed (and batch-normalised for decoupled), with saturation weights
+    per component when rewards.saturation_ratio is set."""
+    t, r = config.training, config.rewards
+    components = {k: v for k, v in gathered.items() if k in weights}
+    scales, saturation_stats = None, {}
+    if r.saturation_ratio:
+        scales, saturation_stats = saturation_weights(components, group_ids,
+                                                      ratio=r.saturation_ratio, ddof=t.adv_ddof)
+    advantages, stats = decoupled_advantages(
+        components, weights, group_ids, ddof=t.adv_ddof, eps=t.adv_eps,
+        clip=t.adv_clip or None, batch_normalize=r.aggregation == "decoupled",
+        component_scales=scales)
+    return advantages, stats, saturation_stats
+
+
+def saturation_estimate(config, weights: dict[str, float], gathered: dict[str, Tensor],
+                        group_ids: Tensor) -> Estimate:
+    """The weighted sum again from its components with per-group saturation weights
+    (rewards.saturation_ratio with aggregation weighted_sum), then normalised."""
+    t = config.training
+    weights = {k: w for k, w in weights.items() if w != 0}
+    components = {k: gathered[k] for k in weights}
+    scales, saturation_stats = saturation_weights(components, group_ids,
+                                                  ratio=config.rewards.saturation_ratio,
+                                                  ddof=t.adv_ddof)
+    advantages, stats = decoupled_advantages(
+        components, weights, group_ids, mode="sum_then_normalize", scale=t.adv_scale,
+        ddof=t.adv_ddof, eps=t.adv_eps, clip=t.adv_clip or None, component_scales=scales)
+    return advantages, stats, saturation_stats
+
+
+def group_estimate(config, weights: dict[str, float], gathered: dict[str, Tensor],
+                   group_ids: Tensor) -> Estimate:
+    """GRPO's: the total reward normalised in its group (or batch, or not: training.adv_scale)."""
+    t = config.training
+    advantages, stats = group_advantages(gathered["total"], group_ids, scale=t.adv_scale,
+                                         ddof=t.adv_ddof, eps=t.adv_eps, clip=t.adv_clip or None)
+    return advantages, stats, {}
+
+
+# name -> estimator(config, reward weights, gathered rewards, group ids) ->
+# (advantages (B,) or (B, 2), statistics, saturation statistics)
+ADVANTAGE_ESTIMATORS = {"region": region_estimate, "per_component": per_component_estimate,
+                        "saturation": saturation_estimate, "group": group_estimate}
+
+
+def advantage_estimator(config) -> str:
+    """Which estimator a config asks for: the regions of training.locality, GDPO's per-component
+    aggregation, the saturation-weighted sum, or the group-normalised total."""
+    if config.training.locality.enabled:
+        return "region"
+    if config.rewards.aggregation in PER_COMPONENT:
+        return "per_component"
+    if config.rewards.saturation_ratio:
+        return "saturation"
+    return "group"
+
+
 class TrainerAdvantages:
     """The advantages-and-guards half of ``Trainer`` (see the module docstring)."""
 
@@ -36,32 +119,9 @@ class TrainerAdvantages:
         gathered = {k: mask_nonfinite(acc.gather(v.to(device)).cpu())[0]
                     for k, v in rewards.items()}
         group_ids = acc.gather(batch.group_ids.to(device)).cpu()
-        clip = t.adv_clip or None
-        aggregation = self.config.rewards.aggregation
-        saturation = self.config.rewards.saturation_ratio
-        scales, saturation_stats = None, {}
-        if t.locality.enabled:
-            advantages, stats = self.region_advantages(gathered, group_ids)
-        elif aggregation in PER_COMPONENT:
-            components = {k: v for k, v in gathered.items() if k in self.reward.weights}
-            if saturation:
-                scales, saturation_stats = saturation_weights(components, group_ids,
-                                                              ratio=saturation, ddof=t.adv_ddof)
-            advantages, stats = decoupled_advantages(
-                components, self.reward.weights, group_ids, ddof=t.adv_ddof, eps=t.adv_eps,
-                clip=clip, batch_normalize=aggregation == "decoupled", component_scales=scales)
-        elif saturation:
-            # The total again, from the weighted components with per-group saturation weights.
-            weights = {k: w for k, w in self.reward.weights.items() if w != 0}
-            components = {k: gathered[k] for k in weights}
-            scales, saturation_stats = saturation_weights(components, group_ids,
-                                                          ratio=saturation, ddof=t.adv_ddof)
-            advantages, stats = decoupled_advantages(
-                components, weights, group_ids, mode="sum_then_normalize", scale=t.adv_scale,
-                ddof=t.adv_ddof, eps=t.adv_eps, clip=clip, component_scales=scales)
-        else:
-            advantages, stats = group_advantages(gathered["total"], group_ids, scale=t.adv_scale,
-                                                 ddof=t.adv_ddof, eps=t.adv_eps, clip=clip)
+        estimator = ADVANTAGE_ESTIMATORS[advantage_estimator(self.config)]
+        advantages, stats, saturation_stats = estimator(self.config, self.reward.weights,
+                                                        gathered, group_ids)
         local = len(batch.prompts)
         start = acc.process_index * local
         metrics = {f"adv/{k}": float(v) for k, v in stats.items()}
@@ -78,22 +138,6 @@ class TrainerAdvantages:
         # The same on every process (gathered), for the curriculum's bookkeeping.
         self.gathered = (gathered, group_ids)
         return advantages[start:start + local], metrics
-
-    def region_advantages(self, gathered: dict[str, Tensor], group_ids: Tensor
-                          ) -> tuple[Tensor, dict[str, float]]:
-        """(B, 2) advantages of training.locality: the group advantages of its edit_key's and
-        keep_key's rewards (``advantages.region_advantages``), for the edit region and the
-        rest."""
-        t = self.config.training
-        locality = t.locality
-        for name in ("edit_key", "keep_key"):
-            key = getattr(locality, name)
-            if key not in gathered:
-                raise ConfigError(f"training.locality.{name}: the rewards output no {key!r}; "
-                                  f"they output {', '.join(sorted(gathered))}: use one of them")
-        return region_advantages(gathered[locality.edit_key], gathered[locality.keep_key],
-                                 group_ids, scale=t.adv_scale, ddof=t.adv_ddof, eps=t.adv_eps,
-                                 clip=t.adv_clip or None)
 
     def apply_guards(self, batch, gathered: dict[str, Tensor], group_ids: Tensor,
                      advantages: Tensor) -> tuple[Tensor, dict[str, float]]:
