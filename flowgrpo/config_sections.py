@@ -23,7 +23,8 @@ from flowgrpo.edit_regions import REGION_RESIZES
 from flowgrpo.ema import EMA_WARMUPS
 from flowgrpo.errors import ConfigError
 from flowgrpo.matching_losses import AWM_WEIGHTINGS
-from flowgrpo.losses import KL_CONVENTIONS, TOKEN_AGGREGATIONS, TOKEN_LEVELS
+from flowgrpo.losses import KL_CONVENTIONS
+from flowgrpo.token_losses import TOKEN_AGGREGATIONS, TOKEN_LEVELS
 from flowgrpo.plans import PLAN_KINDS, TRAIN_SELECTS, WINDOW_ENDS, WINDOW_STRATEGIES, PlanConfig
 from flowgrpo.prompts import PROMPT_SUFFIXES
 from flowgrpo.sde import KINDS, LOG_PROBS, ODE_SOLVERS

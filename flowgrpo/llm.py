@@ -2,7 +2,7 @@
 
 ``LMPolicy`` is the policy half of ``flowgrpo.trainer.Trainer`` for ``policy: llm``: rollouts
 come from ``generate`` (each prompt ``group_size`` times), rewards score completion strings, and
-the loss is ``losses.token_policy_loss`` over completion tokens. Advantages (group / batch / none,
+the loss is ``token_losses.token_policy_loss`` over completion tokens. Advantages (group / batch / none,
 GDPO), the update loop, EMA, checkpoints and resume are the trainer's.
 
 Variants, all by config (see ``configs/llm_*.yaml``):
@@ -39,7 +39,7 @@ from flowgrpo.errors import ConfigError
 from flowgrpo.heldout import load_eval_rewards, score_eval_rewards
 from flowgrpo.lm_sampling import (eos_token_ids, generate_completions, pad_replay_inputs,
                                   token_logp)
-from flowgrpo.losses import token_policy_loss
+from flowgrpo.token_losses import token_policy_loss
 from flowgrpo.passk import mean_and_se
 from flowgrpo.policy import eval_share, float32_trainable, frozen_reference, gather_rows
 from flowgrpo.prompts import sample_groups

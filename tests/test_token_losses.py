@@ -21,7 +21,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from flowgrpo.losses import token_policy_loss
+from flowgrpo.token_losses import token_policy_loss
 
 TRL_VERSION = "1.16.0"
 
