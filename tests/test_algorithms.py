@@ -136,8 +136,9 @@ def test_dgpo_at_the_reference_weighs_every_group_by_one_half(tiny_sd3_path, tmp
     unit = batch.replay[0]
     weights = torch.ones(len(unit.rows))
     loss, _ = trainer.policy.replay_loss(batch, unit, advantages, 0, 0.2, weights)
-    from flowgrpo.algorithms.base import unit_inputs
-    _, latents, target, sigmas = unit_inputs(trainer.policy, batch, unit, 0, per_slot_noise=False)
+    from flowgrpo.algorithms.base import unit_forward
+    inputs = unit_forward(trainer.policy, batch, unit, 0, guidance=1.0, per_slot_noise=False)
+    latents, target, sigmas = inputs.latents, inputs.target, inputs.sigmas
     cond = trainer.policy.replay_condition(batch, unit)
     with torch.no_grad():
         velocity = trainer.model.velocity(latents, sigmas, cond, 1.0).float()
@@ -203,8 +204,9 @@ def test_nft_loss_and_gradient_match_the_reference_on_tiny_sd3(beta, tiny_sd3_pa
     loss, _ = policy.replay_loss(batch, unit, advantages, 0, 0.2, torch.ones(len(unit.rows)))
     ours = torch.autograd.grad(loss, params)
 
-    from flowgrpo.algorithms.base import unit_inputs
-    x0, xt, _, t = unit_inputs(policy, batch, unit, 0)
+    from flowgrpo.algorithms.base import unit_forward
+    inputs = unit_forward(policy, batch, unit, 0)
+    x0, xt, t = inputs.clean, inputs.latents, inputs.sigmas
     cond = policy.replay_condition(batch, unit)
     with torch.no_grad(), policy.algorithm.old.swapped_in():
         old = trainer.model.velocity(xt, t, cond, 1.0).float()

@@ -110,6 +110,10 @@ def test_awm_weightings():
     assert torch.allclose(awm_log_prob(v, target, sigma, "ghuber", 1.0), -error * sigma)
     assert torch.allclose(awm_log_prob(v, target, sigma, "ghuber", 0.5),
                           -2 * error.sqrt() * sigma, atol=1e-4)
+    # a perfect prediction has log-prob 0 under every weighting (the offsets cancel exactly)
+    for kind in ("ghuber", "huber"):
+        at_zero = awm_log_prob(target, target, sigma, kind, 0.25)
+        assert torch.allclose(at_zero, torch.zeros(2), atol=2e-5), kind
     with pytest.raises(ValueError, match="weighting"):
         awm_log_prob(v, target, sigma, "nope")
 

@@ -13,10 +13,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from flowgrpo.algorithms.base import FlowAlgorithm, sample_units, unit_inputs
-from flowgrpo.algorithms.nft import weighted_mean
+from flowgrpo.algorithms.base import FlowAlgorithm, add_velocity_kl, sample_units, unit_forward
 from flowgrpo.losses import policy_loss, surrogate_stats
-from flowgrpo.matching_losses import awm_log_prob, velocity_error
+from flowgrpo.matching_losses import awm_log_prob
 
 
 class AWM(FlowAlgorithm):
@@ -29,15 +28,10 @@ class AWM(FlowAlgorithm):
 
     def loss(self, batch, replay, advantages: Tensor, iteration: int, clip_high: float,
              weights: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
-        policy, t = self.policy, self.config.training
-        model = policy.model
-        _, latents, target, sigmas = unit_inputs(policy, batch, replay, iteration)
-        cond = policy.replay_condition(batch, replay)
-        guidance = policy.settings(iteration).guidance_scale
-        inputs = latents.to(model.dtype)
-        with policy.training_forward():
-            velocity = model.velocity(inputs, sigmas, cond, guidance).float()
-        logp = awm_log_prob(velocity, target, sigmas, t.awm.weighting, t.awm.power)
+        t = self.config.training
+        unit = unit_forward(self.policy, batch, replay, iteration)
+        velocity = unit.velocity()
+        logp = awm_log_prob(velocity, unit.target, unit.sigmas, t.awm.weighting, t.awm.power)
         if "logp_old" not in replay.cache:      # the first pass: the rollout's policy
             replay.cache["logp_old"] = logp.detach()
         logp_old = replay.cache["logp_old"]
@@ -48,11 +42,8 @@ class AWM(FlowAlgorithm):
                   "ratio_max_dev": torch.expm1(log_ratio).abs().max(),
                   "policy_loss": loss.detach(), "matching_error": (-logp.detach()).mean()}
         if t.kl_beta > 0:
-            with torch.no_grad(), policy.reference_policy():
-                velocity_ref = model.velocity(inputs, sigmas, cond, guidance).float()
-            kl = weighted_mean(velocity_error(velocity, velocity_ref), weights)
-            loss = loss + t.kl_beta * kl
-            record["kl"] = kl.detach()
+            loss = add_velocity_kl(loss, record, t.kl_beta, velocity,
+                                   unit.velocity(self.policy.reference_policy()), weights)
         return loss, record
 
     def update_metrics(self, rows: dict[str, Tensor], clip_high: float) -> dict[str, Tensor]:

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from flowgrpo.matching_losses import (discrete_sigma_choices, logit_normal_sigmas,
-                                      noised_latents, old_policy_decay)
+                                      noised_latents, old_policy_decay, velocity_error)
 from flowgrpo.seeding import seeded_generator
 
 if TYPE_CHECKING:
@@ -173,17 +173,63 @@ def unit_noise(shape: tuple[int, ...], keys: list[int], seed: int, iteration: in
     return torch.stack([draws[key] for key in keys])
 
 
-def unit_inputs(policy: FlowPolicy, batch: RolloutBatch, replay: SampleReplay, iteration: int,
-                per_slot_noise: bool = True) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(x0, x_sigma, v*, sigmas) of a unit on the model's device, float32: its rows' final
-    samples re-noised by the forward process."""
+@dataclasses.dataclass
+class UnitForward:
+    """A replay unit's rows re-noised by the forward process, on the model's device: x0
+    (``clean``), x_sigma (``latents``), v* (``target``), ``sigmas``, the prompt condition and the
+    CFG scale of the training forwards. ``velocity(context)`` is a policy's velocity there."""
+
+    policy: FlowPolicy
+    clean: Tensor
+    latents: Tensor
+    target: Tensor
+    sigmas: Tensor
+    cond: Any
+    guidance: float
+
+    def velocity(self, context=None) -> Tensor:
+        """(b, ...) float32 velocity at x_sigma: the trained weights through the engine (with
+        grad) when ``context`` is None, else under ``context`` without grad (the old policy's
+        ``swapped_in()``, the policy's ``reference_policy()``)."""
+        model = self.policy.model
+        inputs = self.latents.to(model.dtype)
+        if context is None:
+            with self.policy.training_forward():
+                return model.velocity(inputs, self.sigmas, self.cond, self.guidance).float()
+        with torch.no_grad(), context:
+            return model.velocity(inputs, self.sigmas, self.cond, self.guidance).float()
+
+
+def unit_forward(policy: FlowPolicy, batch: RolloutBatch, replay: SampleReplay, iteration: int,
+                 guidance: float | None = None, per_slot_noise: bool = True) -> UnitForward:
+    """A unit's rows' final samples re-noised at its levels (``noised_latents``) with its noise
+    (``unit_noise``), float32 on the model's device; ``guidance`` None: the sampler's CFG."""
     device = policy.model.device
     clean = batch.final_latents.index_select(0, replay.rows).to(device, torch.float32)
     noise = unit_noise(tuple(clean.shape[1:]), replay.noise_keys, policy.config.run.seed,
                        iteration, replay.slot, per_slot_noise).to(device)
     sigmas = replay.sigmas.to(device)
     latents, target = noised_latents(clean, noise, sigmas)
-    return clean, latents, target, sigmas
+    if guidance is None:
+        guidance = policy.settings(iteration).guidance_scale
+    return UnitForward(policy, clean, latents, target, sigmas,
+                       policy.replay_condition(batch, replay), guidance)
+
+
+def weighted_mean(values: Tensor, weights: Tensor) -> Tensor:
+    """sum_i w_i x_i / #{w > 0} (0 when no weight is positive): the trainer's row weights,
+    padding rows at 0."""
+    weights = weights.to(values)
+    return (weights * values).sum() / (weights > 0).sum().clamp(min=1)
+
+
+def add_velocity_kl(loss: Tensor, record: dict, beta: float, velocity: Tensor,
+                    velocity_ref: Tensor, weights: Tensor) -> Tensor:
+    """loss + beta * the velocity KL mean_d (v - v_ref)^2 (``training.kl_beta``), recorded as
+    ``kl``: the sample-based algorithms' KL to the reference."""
+    kl = weighted_mean(velocity_error(velocity, velocity_ref), weights)
+    record["kl"] = kl.detach()
+    return loss + beta * kl
 
 
 class OldPolicy:

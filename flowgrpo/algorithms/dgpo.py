@@ -19,8 +19,8 @@ from contextlib import nullcontext
 import torch
 from torch import Tensor
 
-from flowgrpo.algorithms.base import FlowAlgorithm, OldPolicy, sample_units, unit_inputs
-from flowgrpo.algorithms.nft import weighted_mean
+from flowgrpo.algorithms.base import (FlowAlgorithm, OldPolicy, add_velocity_kl, sample_units,
+                                      unit_forward)
 from flowgrpo.errors import ConfigError
 from flowgrpo.matching_losses import dgpo_loss, velocity_error
 
@@ -59,30 +59,22 @@ class DGPO(FlowAlgorithm):
              weights: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
         policy, t = self.policy, self.config.training
         d = t.dgpo
-        model = policy.model
-        _, latents, target, sigmas = unit_inputs(policy, batch, replay, iteration,
-                                                 per_slot_noise=not d.shared_noise)
-        cond = policy.replay_condition(batch, replay)
-        guidance = d.guidance_scale     # CFG-free training whatever the sampler's scale
-        inputs = latents.to(model.dtype)
-        with policy.training_forward():
-            velocity = model.velocity(inputs, sigmas, cond, guidance).float()
-        error = velocity_error(velocity, target)
+        # CFG-free training whatever the sampler's scale (d.guidance_scale)
+        unit = unit_forward(policy, batch, replay, iteration, guidance=d.guidance_scale,
+                            per_slot_noise=not d.shared_noise)
+        velocity = unit.velocity()
+        error = velocity_error(velocity, unit.target)
         record: dict[str, Tensor] = {}
-        velocity_base = None
-        with torch.no_grad():
-            if d.reference == "base" or t.kl_beta > 0:
-                with policy.reference_policy():
-                    velocity_base = model.velocity(inputs, sigmas, cond, guidance).float()
-            velocity_old = None
-            if self.old is not None and (d.clip or d.reference == "old"):
-                with self.old.swapped_in():
-                    velocity_old = model.velocity(inputs, sigmas, cond, guidance).float()
+        velocity_base = velocity_old = None
+        if d.reference == "base" or t.kl_beta > 0:
+            velocity_base = unit.velocity(policy.reference_policy())
+        if self.old is not None and (d.clip or d.reference == "old"):
+            velocity_old = unit.velocity(self.old.swapped_in())
         error_ref = velocity_error(velocity_base if d.reference == "base" else velocity_old,
-                                   target)
+                                   unit.target)
         adv = advantages[replay.rows].to(error.device).float()
         if d.clip:
-            ratio = torch.exp(velocity_error(velocity_old, target) - error.detach())
+            ratio = torch.exp(velocity_error(velocity_old, unit.target) - error.detach())
             clipped = torch.where(adv > 0, ratio > 1 + clip_high, ratio < 1 - t.clip_low)
             error = torch.where(clipped, error.detach(), error)
             record["clip_fraction"] = clipped.float().mean()
@@ -91,9 +83,7 @@ class DGPO(FlowAlgorithm):
         record["policy_loss"] = loss.detach()
         record["matching_error"] = error.detach().mean()
         if t.kl_beta > 0:
-            kl = weighted_mean(velocity_error(velocity, velocity_base), weights)
-            loss = loss + t.kl_beta * kl
-            record["kl"] = kl.detach()
+            loss = add_velocity_kl(loss, record, t.kl_beta, velocity, velocity_base, weights)
         return loss, record
 
     def after_optimizer_step(self) -> None:

@@ -11,8 +11,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from flowgrpo.algorithms.base import FlowAlgorithm, SampleReplay, draw_sigmas, unit_inputs
-from flowgrpo.algorithms.nft import weighted_mean
+from flowgrpo.algorithms.base import (FlowAlgorithm, SampleReplay, add_velocity_kl, draw_sigmas,
+                                      unit_forward, weighted_mean)
 from flowgrpo.matching_losses import diffusion_dpo_loss, velocity_error
 from flowgrpo.seeding import seeded_generator
 
@@ -68,18 +68,12 @@ class DiffusionDPO(FlowAlgorithm):
 
     def loss(self, batch, replay, advantages: Tensor, iteration: int, clip_high: float,
              weights: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
-        policy, t = self.policy, self.config.training
-        model = policy.model
-        _, latents, target, sigmas = unit_inputs(policy, batch, replay, iteration)
-        cond = policy.replay_condition(batch, replay)
-        guidance = policy.settings(iteration).guidance_scale
-        inputs = latents.to(model.dtype)
-        with policy.training_forward():
-            velocity = model.velocity(inputs, sigmas, cond, guidance).float()
-        with torch.no_grad(), policy.reference_policy():
-            velocity_ref = model.velocity(inputs, sigmas, cond, guidance).float()
-        error = velocity_error(velocity, target)
-        error_ref = velocity_error(velocity_ref, target)
+        t = self.config.training
+        unit = unit_forward(self.policy, batch, replay, iteration)
+        velocity = unit.velocity()
+        velocity_ref = unit.velocity(self.policy.reference_policy())
+        error = velocity_error(velocity, unit.target)
+        error_ref = velocity_error(velocity_ref, unit.target)
         p = replay.pairs
         per_pair = diffusion_dpo_loss(error[:p], error[p:], error_ref[:p], error_ref[p:],
                                       t.dpo.beta)
@@ -91,9 +85,7 @@ class DiffusionDPO(FlowAlgorithm):
                   "implicit_accuracy": (reward_chosen > reward_rejected).float().mean(),
                   "pairs": torch.tensor(float(p))}
         if t.kl_beta > 0:
-            kl = weighted_mean(velocity_error(velocity, velocity_ref), weights)
-            loss = loss + t.kl_beta * kl
-            record["kl"] = kl.detach()
+            loss = add_velocity_kl(loss, record, t.kl_beta, velocity, velocity_ref, weights)
         return loss, record
 
     def update_metrics(self, rows: dict[str, Tensor], clip_high: float) -> dict[str, Tensor]:

@@ -11,19 +11,12 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 
-import torch
 from torch import Tensor
 
-from flowgrpo.algorithms.base import FlowAlgorithm, OldPolicy, sample_units, unit_inputs
+from flowgrpo.algorithms.base import (FlowAlgorithm, OldPolicy, add_velocity_kl, sample_units,
+                                      unit_forward, weighted_mean)
 from flowgrpo.matching_losses import nft_loss, nft_reward_weight, velocity_error
 from flowgrpo.errors import ConfigError
-
-
-def weighted_mean(values: Tensor, weights: Tensor) -> Tensor:
-    """sum_i w_i x_i / #{w > 0} (0 when no weight is positive): the trainer's row weights,
-    padding rows at 0."""
-    weights = weights.to(values)
-    return (weights * values).sum() / (weights > 0).sum().clamp(min=1)
 
 
 class NFT(FlowAlgorithm):
@@ -52,29 +45,20 @@ class NFT(FlowAlgorithm):
 
     def loss(self, batch, replay, advantages: Tensor, iteration: int, clip_high: float,
              weights: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
-        policy, t = self.policy, self.config.training
-        model = policy.model
-        clean, latents, target, sigmas = unit_inputs(policy, batch, replay, iteration)
-        cond = policy.replay_condition(batch, replay)
-        guidance = policy.settings(iteration).guidance_scale
-        inputs = latents.to(model.dtype)
-        with torch.no_grad(), self.old.swapped_in():
-            velocity_old = model.velocity(inputs, sigmas, cond, guidance).float()
-        with policy.training_forward():
-            velocity = model.velocity(inputs, sigmas, cond, guidance).float()
+        t = self.config.training
+        unit = unit_forward(self.policy, batch, replay, iteration)
+        velocity_old = unit.velocity(self.old.swapped_in())
+        velocity = unit.velocity()
         adv = advantages[replay.rows].to(velocity.device).float()
         r = nft_reward_weight(adv, t.adv_clip)
-        per_row = nft_loss(velocity, velocity_old, latents, clean, sigmas, r, t.nft.beta,
-                           t.adv_clip)
+        per_row = nft_loss(velocity, velocity_old, unit.latents, unit.clean, unit.sigmas, r,
+                           t.nft.beta, t.adv_clip)
         loss = weighted_mean(per_row, weights)
         record = {"policy_loss": loss.detach(),
                   "old_deviation": velocity_error(velocity.detach(), velocity_old).mean()}
         if t.kl_beta > 0:
-            with torch.no_grad(), policy.reference_policy():
-                velocity_ref = model.velocity(inputs, sigmas, cond, guidance).float()
-            kl = weighted_mean(velocity_error(velocity, velocity_ref), weights)
-            loss = loss + t.kl_beta * kl
-            record["kl"] = kl.detach()
+            loss = add_velocity_kl(loss, record, t.kl_beta, velocity,
+                                   unit.velocity(self.policy.reference_policy()), weights)
         return loss, record
 
     def after_optimizer_step(self) -> None:
