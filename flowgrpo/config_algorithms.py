@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from flowgrpo.checks import choice, in_range, positive
+from flowgrpo.checks import Section, choice, config_field, in_range, positive
 from flowgrpo.errors import ConfigError
 from flowgrpo.matching_losses import AWM_WEIGHTINGS
 
@@ -16,8 +16,6 @@ ALGORITHM_NAMES = ("grpo", "nft", "awm", "dgpo", "dpo")
 TIMESTEP_SAMPLINGS = ("discrete", "uniform", "logit_normal")
 
 
-def _help(text: str, **kw: Any) -> Any:
-    return field(metadata={"help": text}, **kw)
 
 
 def _old_policy_rules(section: Any, prefix: str) -> None:
@@ -28,16 +26,16 @@ def _old_policy_rules(section: Any, prefix: str) -> None:
 
 
 @dataclass
-class TimestepsConfig:
-    count: int = _help(
+class TimestepsConfig(Section):
+    count: int = config_field(
         "Noise levels each final sample is trained at per inner epoch (one replay batch each): "
         "DiffusionNFT's reference trains at int(0.99 num_steps) of the sampler's levels; "
         "Flow-Factory's NFT/AWM/DGPO examples use 4-6.", default=4)
-    sampling: str = _help(
+    sampling: str = config_field(
         "How the levels are drawn: 'discrete' (distinct levels of the rollout schedule, drawn "
         "per sample without replacement), 'uniform' or 'logit_normal' (continuous, in the "
         "interval the discrete choices span).", default="discrete")
-    fraction: float = _help(
+    fraction: float = config_field(
         "The share of the rollout schedule's levels, noisiest first, that may be drawn, in "
         "(0, 1] (0.5: the noisier half).", default=1.0)
 
@@ -49,22 +47,22 @@ class TimestepsConfig:
 
 
 @dataclass
-class NFTConfig:
-    beta: float = _help(
+class NFTConfig(Section):
+    beta: float = config_field(
         "DiffusionNFT's beta: the implicit policies are beta v + (1 - beta) v_old and (1 + beta) "
         "v_old - beta v, and the loss is divided by beta. Reference: 1.0 (GenEval, PickScore), "
         "0.1 (OCR).", default=1.0)
-    old_flat_steps: int = _help(
+    old_flat_steps: int = config_field(
         "Optimiser steps during which the old policy is the current one (decay 0). Reference: 0 "
         "(decay_type 1) or 75 (decay_type 2).", default=0)
-    old_ramp_rate: float = _help(
+    old_ramp_rate: float = config_field(
         "The old policy's EMA decay grows by this per optimiser step after old_flat_steps. "
         "Reference: 0.001 (decay_type 1) or 0.0075 (decay_type 2).", default=0.001)
-    old_max_decay: float = _help(
+    old_max_decay: float = config_field(
         "Cap of the old policy's EMA decay. Reference: 0.5 (decay_type 1) or 0.999 (decay_type "
         "2). The old policy is updated once per iteration, after the update, as in the "
         "reference: old <- d old + (1 - d) current.", default=0.5)
-    sample_with_old: bool = _help(
+    sample_with_old: bool = config_field(
         "Roll out with the old policy (the reference samples with it); False: with the current "
         "weights.", default=True)
 
@@ -74,12 +72,12 @@ class NFTConfig:
 
 
 @dataclass
-class AWMConfig:
-    weighting: str = _help(
+class AWMConfig(Section):
+    weighting: str = config_field(
         "Noise-level weighting of the matching error in AWM's log-prob: uniform | t | t2 | "
         "huber | ghuber (Flow-Factory's SD3.5 example: ghuber with power 0.25).",
         default="ghuber")
-    power: float = _help("The generalised Huber power p of weighting: ghuber.", default=0.25)
+    power: float = config_field("The generalised Huber power p of weighting: ghuber.", default=0.25)
 
     def validate(self) -> None:
         choice(self.weighting, AWM_WEIGHTINGS, "training.awm.weighting")
@@ -87,29 +85,31 @@ class AWMConfig:
 
 
 @dataclass
-class DGPOConfig:
-    beta: float = _help(
+class DGPOConfig(Section):
+    beta: float = config_field(
         "DGPO's beta in the group preference z = beta / G sum_i A_i (e_i - e_ref_i). "
         "Flow-Factory's SD3.5 PickScore example: 10.", default=10.0)
-    shared_noise: bool = _help(
+    shared_noise: bool = config_field(
         "The samples of a group are re-noised with the same noise (and every row at the same "
         "noise level), as in the reference: the group's errors then differ by their samples "
         "only.", default=True)
-    reference: str = _help(
+    reference: str = config_field(
         "What the preference compares with: 'base' (the frozen initial model / LoRA disabled) "
         "or 'old' (the old policy, an EMA of the trained weights).", default="base")
-    clip: bool = _help(
+    clip: bool = config_field(
         "PPO-style clip of each row's error against the old policy: a row whose ratio "
         "exp(e_old - e) left [1 - clip_low, 1 + clip_high] on the side its advantage pushes "
         "gets no gradient (DGPO's clip_dsm; the example's clip range is 0.05).", default=True)
-    old_ramp_rate: float = _help("The old policy's EMA decay per optimiser step.", default=0.001)
-    old_max_decay: float = _help("Cap of the old policy's EMA decay (updated every optimiser "
-                                 "step). DGPO: 0.3.", default=0.3)
-    old_flat_steps: int = _help("Optimiser steps with decay 0 before the ramp.", default=0)
-    sample_with_old_after: int = _help(
+    old_ramp_rate: float = config_field(
+        "The old policy's EMA decay per optimiser step.", default=0.001)
+    old_max_decay: float = config_field(
+        "Cap of the old policy's EMA decay (updated every optimiser "
+        "step). DGPO: 0.3.", default=0.3)
+    old_flat_steps: int = config_field("Optimiser steps with decay 0 before the ramp.", default=0)
+    sample_with_old_after: int = config_field(
         "Roll out with the old policy after this many optimiser steps (DGPO's switch_ema_ref: "
         "200); -1: never.", default=200)
-    guidance_scale: float = _help(
+    guidance_scale: float = config_field(
         "CFG scale of DGPO's training forwards (policy, old policy, reference), whatever "
         "sampling.guidance_scale the rollouts use: the reference trains CFG-free (1.0).",
         default=1.0)
@@ -126,8 +126,8 @@ class DGPOConfig:
 
 
 @dataclass
-class DPOConfig:
-    beta: float = _help(
+class DPOConfig(Section):
+    beta: float = config_field(
         "Diffusion-DPO's beta in -log sigmoid(-beta / 2 [(e_w - e_ref_w) - (e_l - e_ref_l)]). "
         "Flow-Factory's SD3.5 example: 100.", default=100.0)
 

@@ -43,7 +43,7 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
-from flowgrpo.checks import choice, int_at_least, is_number
+from flowgrpo.checks import choice, config_field, int_at_least, is_number
 from flowgrpo.errors import ConfigError
 from flowgrpo.sde import ODE_SOLVERS
 
@@ -175,72 +175,76 @@ class StepPlan:
 # ----------------------------------------------------------------------------- config
 
 
-def _help(text: str) -> dict:
-    return {"help": text}
 
 
 @dataclass
 class PlanConfig:
     """``sampling.plan`` in the trainer's YAML: which steps are stochastic and trained."""
 
-    kind: str = field(default="full", metadata=_help(
+    kind: str = config_field(
         "full (Flow-GRPO / DanceGRPO) | window (MixGRPO) | branch (Flow-GRPO-Fast) | "
-        "one_step (Flash-GRPO) | ode (no SDE step: the sample-based algorithms' rollouts)."))
-    train_fraction: float = field(default=1.0, metadata=_help(
+        "one_step (Flash-GRPO) | ode (no SDE step: the sample-based algorithms' rollouts).",
+        default="full")
+    train_fraction: float = config_field(
         "full: train int(num_steps * train_fraction) of the num_steps - 1 stochastic steps "
         "(Flow-GRPO 0.99 -> 9 of 10); with train_select random_per_sample, DanceGRPO's "
-        "int((num_steps - 1) * train_fraction) a sample (0.6 of 10 -> 5)."))
-    train_select: str = field(default="first", metadata=_help(
+        "int((num_steps - 1) * train_fraction) a sample (0.6 of 10 -> 5).", default=1.0)
+    train_select: str = config_field(
         "full: 'first' trains the first ones in order (Flow-GRPO); 'random' draws them per "
         "(iteration, group), so the members of a group train the same steps; "
-        "'random_per_sample' draws them per (iteration, sample) as DanceGRPO does."))
-    window_size: int = field(default=4, metadata=_help(
-        "window/branch: number of consecutive stochastic+trained steps (MixGRPO 4; Fast 2-3)."))
-    window_stride: int = field(default=1, metadata=_help(
+        "'random_per_sample' draws them per (iteration, sample) as DanceGRPO does.",
+        default="first")
+    window_size: int = config_field(
+        "window/branch: number of consecutive stochastic+trained steps (MixGRPO 4; Fast 2-3).",
+        default=4)
+    window_stride: int = config_field(
         "window: steps the progressive window moves every shift_interval iterations; 0 freezes "
-        "it at the range start (MixGRPO-Flash*)."))
-    shift_interval: int = field(default=25, metadata=_help(
-        "window: iterations between progressive moves (MixGRPO 25; Flash 20)."))
-    window_strategy: str = field(default="progressive", metadata=_help(
+        "it at the range start (MixGRPO-Flash*).", default=1)
+    shift_interval: int = config_field(
+        "window: iterations between progressive moves (MixGRPO 25; Flash 20).", default=25)
+    window_strategy: str = config_field(
         "window: 'progressive' (moves by window_stride every shift_interval iterations), 'decay' "
         "(stays int(max (1 - p / hi) + min p / hi) iterations at start p, at least min: "
         "decay_max_interval / decay_min_interval), 'exp_decay' (stays ceil(shift_interval "
         "exp(-exp_decay_rate max(0, p - exp_decay_threshold))) iterations) or 'random' (start "
-        "drawn each iteration, the same for every group); MixGRPO's sample_strategy."))
-    window_range: tuple[int, int] | None = field(default=None, metadata=_help(
+        "drawn each iteration, the same for every group); MixGRPO's sample_strategy.",
+        default="progressive")
+    window_range: tuple[int, int] | None = config_field(
         "window: [lo, hi) steps the window may cover; None = all but the last step "
-        "(MixGRPO: [0, num_steps - 2))."))
-    window_end: str = field(default="fit", metadata=_help(
+        "(MixGRPO: [0, num_steps - 2)).", default=None)
+    window_end: str = config_field(
         "window: last start of a progressive/decay window before it rolls back: 'fit' (hi - "
         "window_size: the window always fits), 'shrink' (hi - 1: the window shrinks to the "
         "steps left in the range) or 'shrink_empty' (hi: one more position with no stochastic "
-        "step, as MixGRPO's released GRPOTrainingStates)."))
-    roll_back: bool = field(default=True, metadata=_help(
+        "step, as MixGRPO's released GRPOTrainingStates).", default="fit")
+    roll_back: bool = config_field(
         "window: when the progressive window passes its last start, go back to the range start "
-        "(True) or stay at the last start (False)."))
-    decay_max_interval: int = field(default=10, metadata=_help(
+        "(True) or stay at the last start (False).", default=True)
+    decay_max_interval: int = config_field(
         "window, 'decay': iterations at the range start (MixGRPO's max_iters_per_group, 10 in "
-        "its scripts)."))
-    decay_min_interval: int = field(default=1, metadata=_help(
+        "its scripts).", default=10)
+    decay_min_interval: int = config_field(
         "window, 'decay': iterations at the range end and the floor (MixGRPO's "
-        "min_iters_per_group, 1 in its scripts)."))
-    exp_decay_threshold: int = field(default=13, metadata=_help(
-        "window, 'exp_decay': start index after which the interval decays (MixGRPO: 13)."))
-    exp_decay_rate: float = field(default=0.1, metadata=_help(
-        "window, 'exp_decay': decay rate k per step past the threshold (MixGRPO: 0.1)."))
-    solver_after: str = field(default="euler", metadata=_help(
+        "min_iters_per_group, 1 in its scripts).", default=1)
+    exp_decay_threshold: int = config_field(
+        "window, 'exp_decay': start index after which the interval decays (MixGRPO: 13).",
+        default=13)
+    exp_decay_rate: float = config_field(
+        "window, 'exp_decay': decay rate k per step past the threshold (MixGRPO: 0.1).",
+        default=0.1)
+    solver_after: str = config_field(
         "Deterministic solver after the last stochastic step: 'euler' or 'dpmpp_2m' "
-        "(MixGRPO-Flash)."))
-    compress_ratio: float = field(default=1.0, metadata=_help(
+        "(MixGRPO-Flash).", default="euler")
+    compress_ratio: float = config_field(
         "window: < 1 re-discretises the post-window stretch of r steps to "
         "max(int((r + 1) * ratio) - 1, 1) steps, MixGRPO's count (MixGRPO-Flash 0.4: 21 -> 7, "
-        "Flash* 0.2: 21 -> 3)."))
-    branch_range: tuple[int, int] | None = field(default=None, metadata=_help(
+        "Flash* 0.2: 21 -> 3).", default=1.0)
+    branch_range: tuple[int, int] | None = config_field(
         "branch: [lo, hi) for the window start, drawn per (iteration, group); None = "
-        "[0, num_steps // 2)."))
-    one_step_range: tuple[int, int] | None = field(default=None, metadata=_help(
+        "[0, num_steps // 2).", default=None)
+    one_step_range: tuple[int, int] | None = config_field(
         "one_step: [lo, hi) for the stochastic step k, drawn per (iteration, group); None = "
-        "[0, num_steps // 2) (Flash-GRPO: k in 0..9 of 20)."))
+        "[0, num_steps // 2) (Flash-GRPO: k in 0..9 of 20).", default=None)
 
     def validate(self, num_steps: int) -> None:
         """Raise ConfigError naming ``sampling.plan.<field>`` for the first invalid field."""

@@ -5,7 +5,7 @@ optimiser on accelerate's engine, EMA, checkpoints and logging. A *policy* is wh
 a flow-matching generator and a causal LM: how the model loads and what trains, how a batch of
 prompts becomes scored rollouts with replay batches, the loss of one replay batch, evaluation and
 the comparison grid. ``FlowPolicy`` (``flowgrpo/flow_policy.py``) and ``LMPolicy``
-(``flowgrpo/llm.py``) implement it; ``POLICIES`` maps ``config.policy`` to them.
+(``flowgrpo/llm.py``) implement it; ``policy_registry.POLICIES`` maps ``config.policy`` to them.
 """
 from __future__ import annotations
 
@@ -17,14 +17,10 @@ from typing import TYPE_CHECKING, Any, Iterator, Protocol
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from flowgrpo.dotted import import_dotted
+from flowgrpo.policy_registry import load_policy_class
 
-if TYPE_CHECKING:   # the config module looks policies up here (POLICIES) to validate a config
+if TYPE_CHECKING:   # annotations only: the policies get a built config
     from flowgrpo.config import TrainConfig
-
-
-# config.policy -> "module:Class"; imported on use, so the LM path never imports the flow stack.
-POLICIES = {"flow": "flowgrpo.flow_policy:FlowPolicy", "llm": "flowgrpo.llm:LMPolicy"}
 
 
 class Policy(Protocol):
@@ -52,8 +48,8 @@ class Policy(Protocol):
 
     @property
     def accumulation_steps(self) -> int:
-        """Replay batches per optimiser step on each process (0: all of an inner epoch), derived
-        from the config for this run's process count."""
+        """Replay batches per optimiser step over every process (0: all of an inner epoch),
+        derived from the config for this run's process count."""
 
     @property
     def ema_updates_per_step(self) -> int:
@@ -132,10 +128,6 @@ def gather_rows(rows: list, accelerator) -> list:
     parts: list = [None] * accelerator.num_processes
     dist.all_gather_object(parts, rows)
     return [row for part in parts for row in part]
-
-
-def load_policy_class(kind: str) -> type:
-    return import_dotted(POLICIES[kind], "policy")
 
 
 def check_model_source(config: TrainConfig) -> None:

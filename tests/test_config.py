@@ -139,3 +139,38 @@ def test_overrides_do_not_mutate_the_callers_data():
     data = base(training={"lr": 1e-4})
     load_config(data=data, overrides=["training.lr=1e-5", "training.ratio_norm=true"])
     assert data["training"] == {"lr": 1e-4}
+
+
+def test_every_section_rejects_a_bad_value_when_it_is_built():
+    """Sections check themselves in __post_init__ (checks.Section): a bad value fails at
+    construction, naming the field, not only when the whole config is validated."""
+    import dataclasses
+
+    from flowgrpo.checks import Section
+    from flowgrpo.config import (EmaConfig, GardoConfig, LoraConfig, RunConfig, SamplingConfig,
+                                 TrainingConfig)
+    from flowgrpo.config_algorithms import TimestepsConfig
+
+    cases = [(TrainingConfig, {"lr": -1.0}, "training.lr"),
+             (TrainingConfig, {"group_size": 0}, "training.group_size"),
+             (SamplingConfig, {"num_steps": 0}, "sampling.num_steps"),
+             (RunConfig, {"save_on_signal": ["SIGKILL"]}, "run.save_on_signal"),
+             (EmaConfig, {"enabled": True, "decay": 2.0}, "training.ema.decay"),
+             (LoraConfig, {"rank": 0}, "model.lora.rank"),
+             (GardoConfig, {"kl_gate_fraction": 1.5}, "training.gardo.kl_gate_fraction"),
+             (TimestepsConfig, {"count": 0}, "training.timesteps.count")]
+    for section, values, field in cases:
+        with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+            section(**values)
+        default = section()   # the defaults are valid
+        with pytest.raises(ConfigError):
+            dataclasses.replace(default, **values)   # replace builds a new section
+    import flowgrpo.config_algorithms as algorithms
+    import flowgrpo.config_sections as sections
+    built = [cls for module in (sections, algorithms) for cls in vars(module).values()
+             if dataclasses.is_dataclass(cls) and isinstance(cls, type)
+             and "validate" in vars(cls) and cls.__module__ == module.__name__]
+    takes_no_argument = [cls for cls in built
+                         if cls.validate.__code__.co_argcount == 1]
+    assert takes_no_argument and all(issubclass(cls, Section) for cls in takes_no_argument), \
+        [cls.__name__ for cls in takes_no_argument if not issubclass(cls, Section)]
