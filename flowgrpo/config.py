@@ -19,6 +19,7 @@ import copy
 import dataclasses
 import json
 import math
+import os
 import types
 import typing
 from dataclasses import dataclass
@@ -27,21 +28,24 @@ from typing import Any, Callable, Mapping, Sequence, Union
 
 import yaml
 
-from flowgrpo.checks import choice
+from flowgrpo.checks import choice, config_field
 from flowgrpo.config_sections import (FIELD_CHOICES, CurriculumConfig, EmaConfig, EvalConfig,
                                       GardoConfig, LLMConfig, LoraConfig, ModelConfig,
                                       PromptsConfig, RewardsConfig, RewardSpec, RunConfig,
-                                      SamplingConfig, TrainingConfig, _help)
+                                      SamplingConfig, TrainingConfig)
 from flowgrpo.errors import ConfigError, InputError
+from flowgrpo.packaged_data import resolve_config_path, with_packaged_paths
 from flowgrpo.plans import PlanConfig
-from flowgrpo.policy import POLICIES, load_policy_class
+from flowgrpo.policy_registry import POLICIES, load_policy_class
+from flowgrpo.user_files import folder_blocker, line_and_column, read_text_file
 
 # Re-exported: the sections are part of this module's public names (``flowgrpo.config.X``).
 __all__ = ["ConfigError", "CurriculumConfig", "EmaConfig", "EvalConfig", "GardoConfig",
            "InputError", "LLMConfig", "LoraConfig", "ModelConfig", "PlanConfig", "PromptsConfig",
            "RewardSpec", "RewardsConfig", "RunConfig", "SamplingConfig", "TrainConfig",
            "TrainingConfig", "check_reward_key", "dump_config", "eval_noise_seed", "help_text",
-           "json_roundtrip", "load_config", "parse_overrides", "redact", "resume_signature",
+           "json_roundtrip", "load_config", "parse_override", "parse_overrides",
+           "read_config_file", "redact", "resume_signature",
            "reward_key", "reward_output_keys", "to_dict", "training_reward_keys", "validate"]
 
 
@@ -54,19 +58,20 @@ REDACTED = "***"
 
 @dataclass
 class TrainConfig:
-    name: str = _help("Run name: outputs go to <run.output_dir>/<name>/.", default="run")
-    policy: str = _help("Policy type: flow (image/video generators) | llm (causal LMs).",
-                        default="flow")
-    model: ModelConfig = _help("The model to train.", default_factory=ModelConfig)
-    prompts: PromptsConfig = _help("Prompt sources.", default_factory=PromptsConfig)
-    sampling: SamplingConfig = _help("Rollout sampler.", default_factory=SamplingConfig)
-    training: TrainingConfig = _help("Optimisation.", default_factory=TrainingConfig)
-    rewards: RewardsConfig = _help("Rewards.", default_factory=RewardsConfig)
-    run: RunConfig = _help("Run bookkeeping.", default_factory=RunConfig)
-    llm: LLMConfig = _help("LLM policy options (policy: llm); see flowgrpo/llm.py.",
-                           default_factory=LLMConfig)
-    eval: EvalConfig = _help("Held-out metrics scored at every evaluation, never trained on.",
-                             default_factory=EvalConfig)
+    name: str = config_field("Run name: outputs go to <run.output_dir>/<name>/.", default="run")
+    policy: str = config_field(
+        "Policy type: flow (image/video generators) | llm (causal LMs).", default="flow")
+    model: ModelConfig = config_field("The model to train.", default_factory=ModelConfig)
+    prompts: PromptsConfig = config_field("Prompt sources.", default_factory=PromptsConfig)
+    sampling: SamplingConfig = config_field("Rollout sampler.", default_factory=SamplingConfig)
+    training: TrainingConfig = config_field("Optimisation.", default_factory=TrainingConfig)
+    rewards: RewardsConfig = config_field("Rewards.", default_factory=RewardsConfig)
+    run: RunConfig = config_field("Run bookkeeping.", default_factory=RunConfig)
+    llm: LLMConfig = config_field(
+        "LLM policy options (policy: llm); see flowgrpo/llm.py.", default_factory=LLMConfig)
+    eval: EvalConfig = config_field(
+        "Held-out metrics scored at every evaluation, never trained on.",
+        default_factory=EvalConfig)
 
 
 # --------------------------------------------------------------------------- loading
@@ -159,42 +164,127 @@ def _set_dotted(data: dict, dotted: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
+# The fix named by every error about a config file itself.
+CONFIG_FIX = ("give a YAML config file like configs/toy_geneval.yaml, or a built-in config's name "
+              "(`flowgrpo configs` lists them)")
+
+
+def yaml_problem(err: yaml.YAMLError, text: str) -> str:
+    """One line saying where and why ``text`` is not valid YAML: the 1-based line and column
+    of the problem, the parser's reason and what it was reading ("while parsing a flow
+    mapping" and where that started). PyYAML's own message spans several lines and quotes
+    the text."""
+    if isinstance(err, yaml.MarkedYAMLError) and err.problem_mark is not None:
+        mark = err.problem_mark
+        where = f"line {mark.line + 1}, column {mark.column + 1}"
+        reason = err.problem or "invalid YAML"
+        if err.context:
+            start = err.context_mark
+            reason += (f" ({err.context}, from line {start.line + 1}, column {start.column + 1})"
+                       if start is not None else f" ({err.context})")
+    elif isinstance(err, yaml.reader.ReaderError):
+        line, column = line_and_column(text, err.position)
+        where = f"line {line}, column {column}"
+        reason = f"character #x{err.character:04x}: {err.reason}"
+    else:
+        where, reason = "", str(err)
+    reason = " ".join(reason.split())   # PyYAML's texts may hold newlines
+    return f"{where}: {reason}" if where else reason
+
+
+def read_config_file(path: str | Path) -> dict:
+    """The mapping of sections in YAML file ``path``. A missing file, a folder, an unreadable or
+    non-UTF-8 file, invalid YAML (with its line and column), an empty file and a top level that
+    is not a mapping are each a one-line ConfigError naming the file. An empty file is refused
+    rather than read as all defaults: a config that names no model, prompts or rewards is a
+    mistake, not a run. ``load_config`` and ``flowgrpo train --tiny`` read configs with it.
+    ``path`` may also be a built-in config's name (``toy_geneval``) or a checkout-relative path
+    (``configs/toy_geneval.yaml``) outside a checkout: ``packaged_data.resolve_config_path``;
+    a file that exists on disk always wins."""
+    path = resolve_config_path(path)
+    text = read_text_file(path, "config file", CONFIG_FIX, ConfigError)
+    try:
+        raw = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"config file {path} is not valid YAML at "
+                          f"{yaml_problem(err, text)}") from None
+    except RecursionError:   # PyYAML composes nested collections recursively
+        raise ConfigError(f"config file {path} nests collections too deeply to read: "
+                          f"{CONFIG_FIX}") from None
+    if raw is None or raw == {}:
+        raise ConfigError(f"config file {path} holds no settings (it is empty, only comments "
+                          f"or {{}}): a config needs at least its model, prompts and rewards "
+                          f"sections; start from one in configs/")
+    if not isinstance(raw, dict):
+        raise ConfigError(f"config file {path}: the top level must be a mapping of sections "
+                          f"(name:, model:, prompts:, ...), got a {type(raw).__name__}")
+    return raw
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """``"training.lr=1e-4"`` -> ("training.lr", 1e-4): the dotted key and the YAML-read value.
+    A word without "=", an empty key or key part (``=3``, ``training..lr``) and a value that is
+    not valid YAML (``[1e-4``) are ConfigErrors naming the override."""
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} must look like section.key=value")
+    key, raw = item.split("=", 1)
+    key = key.strip()
+    if not key:
+        raise ConfigError(f"override {item!r} has no key before '=': it must look like "
+                          f"section.key=value, e.g. training.lr=1e-4")
+    if any(not part.strip() for part in key.split(".")):
+        raise ConfigError(f"override {item!r}: the key {key!r} has an empty part (a doubled, "
+                          f"leading or trailing '.'); it must look like section.key=value")
+    if not raw.strip():
+        return key, ""
+    try:
+        return key, yaml.safe_load(raw)
+    except yaml.YAMLError as err:
+        raise ConfigError(f"override {item!r}: the value is not valid YAML "
+                          f"({yaml_problem(err, raw)}); close its brackets and quotes, or quote "
+                          f"a text value, e.g. {key}='...'") from None
+
+
 def parse_overrides(overrides: list[str]) -> list[tuple[str, Any]]:
     """``["training.lr=1e-4", "run.seed=3"]`` -> [(dotted key, YAML-parsed value)]."""
-    parsed = []
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"override {item!r} must look like section.key=value")
-        key, raw = item.split("=", 1)
-        parsed.append((key.strip(), yaml.safe_load(raw) if raw.strip() else ""))
-    return parsed
+    return [parse_override(item) for item in overrides]
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None,
                 data: dict | None = None) -> TrainConfig:
-    """Read a YAML file (or ``data``), apply dotted overrides, build and validate the config."""
+    """Read a YAML file (``read_config_file``, or ``data``), apply dotted overrides, build and
+    validate the config."""
     raw: dict = {}
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {path} does not exist")
-        raw = yaml.safe_load(path.read_text()) or {}
-        if not isinstance(raw, dict):
-            raise ConfigError(f"{path}: the top level must be a mapping of sections")
+        raw = read_config_file(path)
     if data is not None:
         # Deep-copied so that overrides never write into the caller's dicts.
         raw = _merge(raw, copy.deepcopy(data))
     for key, value in parse_overrides(overrides or []):
         _set_dotted(raw, key, value)
     config = _build(TrainConfig, raw, "")
+    # Shipped assets (model.path: assets/toy) resolve from any folder; a path that exists
+    # relative to the current folder is kept (flowgrpo/packaged_data.py).
+    with_packaged_paths(config)
     validate(config)
     return config
 
 
-def _merge(base: dict, extra: dict) -> dict:
+def _merge(base: dict, extra: dict, path: str = "") -> dict:
+    """``extra`` merged over ``base``, section by section. A section of ``extra`` over a value of
+    ``base`` that is neither a section nor null is an error naming the field: merged blindly,
+    the extra section would replace the wrong value (``training: 5`` in a file under
+    ``--tiny``'s patch) and hide it."""
     out = dict(base)
     for k, v in extra.items():
-        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        where = f"{path}.{k}" if path else str(k)
+        old = out.get(k)
+        if isinstance(v, dict) and isinstance(old, dict):
+            out[k] = _merge(old, v, where)
+        elif isinstance(v, dict) and old is not None:
+            raise ConfigError(f"{where}: expected a mapping, got {old!r}")
+        else:
+            out[k] = v
     return out
 
 
@@ -291,8 +381,22 @@ def validate(config: TrainConfig, num_processes: int = 1) -> None:
         config.llm.validate()
     config.eval.validate()
     config.run.validate()
+    _check_output_dir(config.run.output_dir)
     _cross_section_rules(config, num_processes)
     load_policy_class(config.policy).check_config(config)
+
+
+def _check_output_dir(output_dir: str) -> None:
+    """run.output_dir must be, or be creatable as, a folder: a file in its place would otherwise
+    fail the run at its first write. Only reads the filesystem (whether the folder is writable
+    is the run folder's check when a run opens it, ``run_folder.check_run_folder``: commands
+    that only read a run, such as ``flowgrpo eval``, validate configs too)."""
+    blocker = folder_blocker(output_dir)
+    if blocker is not None:
+        where = "is a file" if blocker == Path(os.path.abspath(output_dir)) else \
+            f"cannot be a folder: {blocker} is a file"
+        raise ConfigError(f"run.output_dir {output_dir} {where}; run.output_dir is the folder "
+                          f"that holds the run folders (<output_dir>/<name>/): give a folder")
 
 
 def _check_finite(node: Any, path: str = "") -> None:

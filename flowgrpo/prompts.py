@@ -27,6 +27,7 @@ from flowgrpo.errors import ConfigError, InputError
 from flowgrpo.pixels import from_uint8
 from flowgrpo.prompt_sets import missing_hint
 from flowgrpo.seeding import seeded_generator
+from flowgrpo.user_files import read_text_file
 
 
 PROMPT_SUFFIXES = (".txt", ".jsonl")
@@ -51,18 +52,21 @@ def load_prompts(source: str) -> list[dict]:
         if suffix not in PROMPT_SUFFIXES:
             raise InputError(f"prompt file {source}: {suffix or 'no suffix'} is not a prompt "
                              f"format; {_FORMATS}")
-        if not path.is_file():
+        if not path.exists():
             hint = missing_hint(path)
             raise InputError(f"prompt file {source} does not exist"
                              + (hint if hint else f" ({_FORMATS})"))
-        lines = path.read_text().splitlines()
+        # a folder, an unreadable file or one that is not UTF-8 (a binary file, another
+        # encoding): one line naming the file
+        lines = read_text_file(path, "prompt file", _FORMATS).splitlines()
         if suffix == ".jsonl":
             records = [_jsonl_record(line, f"{source}:{number}", path.parent)
                        for number, line in enumerate(lines, 1) if line.strip()]
         else:
             records = [{"prompt": line.strip(), "metadata": {}} for line in lines if line.strip()]
     if not records:
-        raise InputError(f"prompt source {source} holds no prompts")
+        raise InputError(f"prompt source {source} holds no prompts (it is empty or only blank "
+                         f"lines): {_FORMATS}")
     return records
 
 

@@ -18,6 +18,7 @@ from flowgrpo.checkpoint import (ENGINE_PREFIX, LOCK, MARKER, METRICS, OLD_PREFI
                                  list_checkpoints, numbered_checkpoints, read_state, remove_dir,
                                  write_json_atomic)
 from flowgrpo.errors import InputError
+from flowgrpo.user_files import folder_blocker, unwritable_folder
 
 
 def sweep_stale(run_dir: str | Path) -> list[str]:
@@ -131,6 +132,29 @@ def set_aside(run_dir: str | Path, name: str) -> Path:
     return aside / name
 
 
+def check_run_folder(run_dir: str | Path) -> None:
+    """InputError unless this process can make ``run_dir`` and write in it: a file where it or
+    an ancestor should be a folder (run.output_dir given a file), or a folder without write
+    permission (a read-only mount, another user's run) would otherwise fail at the first write,
+    after the model has loaded (or, on --resume, halfway into the start). Writes nothing."""
+    run_dir = Path(run_dir)
+    blocker = folder_blocker(run_dir)
+    if blocker is not None:
+        raise InputError(f"run folder {run_dir} cannot be made: {blocker} is a file, not a "
+                         f"folder; set run.output_dir (and name) to a folder")
+    locked = unwritable_folder(run_dir)
+    if locked is None:
+        return
+    why = "not writable by this user, or on a read-only filesystem"
+    if locked == Path(os.path.abspath(run_dir)):
+        raise InputError(f"run folder {run_dir} is {why}; training writes its lock, checkpoints "
+                         f"and metrics there: make it writable, or set run.output_dir to a "
+                         f"writable folder (--resume {run_dir / 'checkpoints'}/<iteration> "
+                         f"continues this run's checkpoint there)")
+    raise InputError(f"run folder {run_dir} cannot be made: {locked} is {why}; make it "
+                     f"writable, or set run.output_dir to a writable folder")
+
+
 def open_run(run_dir: str | Path, *, resume: str | None, overwrite: bool,
              signature: dict[str, Any], name: str) -> dict[str, Any]:
     """Decide how a run starts in ``run_dir`` before anything loads, or raise InputError.
@@ -147,6 +171,7 @@ def open_run(run_dir: str | Path, *, resume: str | None, overwrite: bool,
     Also sweeps stale temporary folders and writes run.json. Returns {"run_id", "checkpoint"
     (str or None), "notes" (lines for the log)}."""
     run_dir = Path(run_dir)
+    check_run_folder(run_dir)
     if resume is not None and overwrite:
         raise InputError("--resume and --overwrite contradict each other: --resume continues the "
                          "run in the folder, --overwrite deletes it; give one")
@@ -263,8 +288,14 @@ class RunLock:
         except ImportError:     # not POSIX: no advisory locks to take
             self.note = "no file locks on this platform: the run folder is not locked"
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        handle = open(self.path, "a+")
+        check_run_folder(self.path.parent)   # the lock is the run's first write
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            handle = open(self.path, "a+")
+        except OSError as err:   # what check_run_folder cannot foresee (a folder named .lock)
+            raise InputError(f"cannot create the run folder's lock file {self.path} "
+                             f"({err.strerror or err}): training writes there; fix the run "
+                             f"folder or set run.output_dir to a writable folder") from None
         try:
             fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -35,9 +35,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from flowgrpo.config import ConfigError, InputError, TrainConfig, load_config, parse_overrides
+from flowgrpo.config import (InputError, TrainConfig, load_config, parse_overrides,
+                             read_config_file)
 from flowgrpo.prompt_sets import example_for
 from pipelines.tiny import TINY_FAMILIES, TINY_HEIGHT, TINY_NUM_FRAMES, TINY_WIDTH, save_tiny
 from reward_models.tiny import build_tiny_aesthetic_head, build_tiny_clip
@@ -145,18 +144,27 @@ TINY_REWARDS = {"pickscore": _pickscore_reward, "clip_score": _clip_reward,
 TINY_REMOTE_STAND_IN = "jpeg_compressibility"
 
 
-def _tiny_rewards(components: list, root) -> list:
+def _tiny_rewards(components: Any, root) -> Any:
+    """``components`` (a recipe's reward list) with hub-weight rewards on tiny builds and remote
+    rewards on a local stand-in. A value of the wrong type (not a list, a spec's options not a
+    mapping) is passed on as it is, so that the config's check names it."""
+    if not isinstance(components, list):
+        return components
     out = []
-    for spec in components or []:
+    for spec in components:
         spec = dict(spec) if isinstance(spec, dict) else {"name": spec}
-        name = spec.get("name")
-        if name in TINY_REWARDS:
-            spec["options"] = TINY_REWARDS[name](dict(spec.get("options") or {}), root)
+        name, options = spec.get("name"), spec.get("options")
+        if not isinstance(name, str) or not isinstance(options, (dict, type(None))):
+            out.append(spec)
+        elif name in TINY_REWARDS:
+            spec["options"] = TINY_REWARDS[name](dict(options or {}), root)
+            out.append(spec)
         elif name == "remote":
-            label = (spec.get("options") or {}).get("label")
-            spec = {"name": TINY_REMOTE_STAND_IN, "weight": spec.get("weight", 1.0),
-                    "options": {"label": label} if label else {}}
-        out.append(spec)
+            label = (options or {}).get("label")
+            out.append({"name": TINY_REMOTE_STAND_IN, "weight": spec.get("weight", 1.0),
+                        "options": {"label": label} if label else {}})
+        else:
+            out.append(spec)
     return out
 
 
@@ -192,23 +200,24 @@ def tiny_patch(raw: dict, root: str | os.PathLike | None = None) -> dict:
         raise InputError(f"--tiny is for flow recipes (this config's policy is {policy!r}); the "
                          f"llm recipes already run on a CPU as they are")
     family = _get(raw, "model.family", "toy")
-    name = raw.get("name", "run")
     model: dict[str, Any] = {"dtype": "float32", "gradient_checkpointing": False}
     if family != "toy":
         build = tiny_build_name(family, _get(raw, "model.path", ""))
-        options = dict(_get(raw, "model.options", {}) or {})
+        recipe_options = _get(raw, "model.options", {}) or {}
+        # not a mapping: an empty one here, and the merge names model.options
+        options = dict(recipe_options) if isinstance(recipe_options, dict) else {}
         options.update(_PLACEMENT_OPTIONS)
         options.update({"height": TINY_HEIGHT, "width": TINY_WIDTH})
         if family in _VIDEO_FAMILIES:
             options["num_frames"] = TINY_NUM_FRAMES
         model.update({"path": str(ensure_tiny_model(build, root)), "options": options})
     num_steps = _get(raw, "sampling.num_steps", 10)
+    name = raw.get("name", "run")
     patch: dict[str, Any] = {
-        "name": f"{name}_tiny",
         "model": model,
         "prompts": {"num_eval": TINY_EVAL_PROMPTS, "eval_seeds": 1, "eval_per_family": 0,
                     **_tiny_prompts(raw)},
-        "sampling": {"rollout_batch_size": TINY_ROLLOUT_BATCH, "eval_num_steps": num_steps},
+        "sampling": {"rollout_batch_size": TINY_ROLLOUT_BATCH},
         "training": {"prompts_per_iteration": TINY_PROMPTS, "group_size": TINY_GROUP_SIZE,
                      "mixed_precision": "no", "use_8bit_adam": False},
         "rewards": {"components": _tiny_rewards(_get(raw, "rewards.components", []), root)},
@@ -217,24 +226,20 @@ def tiny_patch(raw: dict, root: str | os.PathLike | None = None) -> dict:
         "run": {"max_iterations": TINY_ITERATIONS, "eval_every": 0, "checkpoint_every": 0,
                 "keep_checkpoints": 1, "tracker": "none"},
     }
+    # A name or step count of the wrong type stays the recipe's, for the config's check to name
+    # (a patched "5_tiny" or a copied bad step count would hide it or blame another field).
+    if isinstance(name, str):
+        patch["name"] = f"{name}_tiny"
+    if isinstance(num_steps, int) and not isinstance(num_steps, bool):
+        patch["sampling"]["eval_num_steps"] = num_steps
     return patch
-
-
-def _read(path: str | os.PathLike) -> dict:
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist")
-    raw = yaml.safe_load(path.read_text()) or {}
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping of sections")
-    return raw
 
 
 def load_tiny_config(path: str | os.PathLike, overrides: list[str] | None = None,
                      root: str | os.PathLike | None = None) -> TrainConfig:
     """``path`` with ``tiny_patch`` merged over it, then the dotted ``overrides`` (which win),
     validated like any config. Builds the tiny model and reward weights it needs."""
-    raw = _read(path)
+    raw = read_config_file(path)
     view = copy.deepcopy(raw)       # what the overrides make of the recipe (family, rewards, ...)
     for key, value in parse_overrides(overrides or []):
         node = view

@@ -48,17 +48,6 @@ def snapshot(folder: Path) -> dict[str, tuple[int, bytes]]:
             for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-@pytest.fixture
-def no_model_load(monkeypatch):
-    """Fail the test if a policy (and so a model) is built."""
-    import flowgrpo.trainer as trainer_module
-
-    def boom(*args, **kwargs):
-        raise AssertionError("the model was loaded before the check failed")
-
-    monkeypatch.setattr(trainer_module, "load_policy_class", boom)
-
-
 # --------------------------------------------------------------------------- non-finite values
 
 def test_reward_boundary_turns_inf_into_nan():
