@@ -82,6 +82,12 @@ FIELDS_ADDED_SINCE_RESULTS: dict[tuple[str, ...], object] = {
     # training.algorithm and its sections (every earlier result is grpo with their defaults)
     ("training", "algorithm"): "grpo",
     **{("training", name): asdict(section()) for name, section in _ALGORITHM_SECTIONS.items()},
+    # the stops of runs that learn nothing, and the signals that save (no earlier run hit them)
+    ("training", "max_iterations_without_finite_reward"): 5,
+    ("training", "on_constant_reward"): "warn",
+    ("training", "constant_reward_iterations"): 5,
+    ("run", "save_on_signal"): ["SIGTERM", "SIGUSR1", "SIGINT"],
+    ("training", "cfg_gradient"): "both",   # every earlier run backpropagated both CFG branches
 }
 # A ratio of two held-out gains is reported only when both reach one point: below that the
 # ratio is evaluation noise (a baseline at +0.000 once gave a ratio of 2e7).

@@ -1,11 +1,14 @@
-"""Command line: ``flowgrpo train | sample | eval | grid | serve-reward``.
+"""Command line: ``flowgrpo train | sample | eval | grid | configs | serve-reward``.
 
 Each sub-command validates its arguments before it loads a model, and exits with a one-line error
 (status 2) on bad input instead of a traceback. What counts as bad input is per command
 (``input_errors`` in its defaults): for ``train``, whose runs last days, only ``InputError``
 (``ConfigError`` is one): a ValueError from deep inside training is a bug or a failure and keeps
 its traceback. The other commands treat ValueError / FileNotFoundError as bad input, which they
-raise for their argument checks before any model loads.
+raise for their argument checks before any model loads. A run that stops before its end on
+purpose (``RunStopped``: a signal, no finite reward, non-finite gradients) prints its one line and
+exits with its own code (128 + the signal's number for a signal, else 1); Ctrl-C outside a run's
+handlers prints "interrupted" and exits 130.
 """
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ import sys
 from flowgrpo import __version__
 from flowgrpo.commands import add_commands
 from flowgrpo.config import help_text, load_config
-from flowgrpo.errors import InputError
+from flowgrpo.errors import InputError, RunStopped
 from flowgrpo.tiny_recipe import load_tiny_config
 from flowgrpo.trainer import Trainer
 from pipelines import MODEL_FAMILIES
@@ -40,7 +43,8 @@ def _train(args: argparse.Namespace) -> int:
         print(config_help())
         return 0
     if not args.config:
-        raise InputError("flowgrpo train needs a CONFIG file, e.g. configs/toy_geneval.yaml")
+        raise InputError("flowgrpo train needs a CONFIG: a YAML file or a built-in config's "
+                         "name, e.g. toy_geneval (flowgrpo configs lists them)")
     if args.tiny:
         os.environ["ACCELERATE_USE_CPU"] = "true"   # read when the trainer builds its Accelerator
         config = load_tiny_config(args.config, args.overrides)
@@ -62,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
     train = sub.add_parser("train", help="train a policy from a YAML config",
                            description="Train with GRPO. Overrides are dotted keys, e.g. "
                                        "training.lr=1e-4 run.max_iterations=50.")
-    train.add_argument("config", nargs="?", help="YAML config (see configs/)")
+    train.add_argument("config", nargs="?",
+                       help="YAML config file, or a built-in config's name (flowgrpo configs)")
     train.add_argument("overrides", nargs="*", help="section.key=value overrides")
     start = train.add_mutually_exclusive_group()
     start.add_argument("--resume", default=None, metavar="latest|auto|PATH",
@@ -103,6 +108,17 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         return int(handler(args) or 0)
+    except RunStopped as err:   # a signal, no finite reward, non-finite gradients: said in one line
+        if not err.quiet:
+            print(f"flowgrpo {args.command}: {err}", file=sys.stderr)
+        return err.exit_code
+    except BrokenPipeError:   # `flowgrpo configs | head`: the reader left, which is no error
+        # Python flushes stdout again at exit; pointing it at /dev/null keeps that quiet.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+    except KeyboardInterrupt:   # Ctrl-C where no handler saves (start-up, other commands)
+        print(f"flowgrpo {args.command}: interrupted", file=sys.stderr)
+        return 130
     except Exception as err:
         input_errors = getattr(args, "input_errors", None) or DEFAULT_INPUT_ERRORS
         if not isinstance(err, input_errors):

@@ -12,3 +12,12 @@ class InputError(ValueError):
 
 class ConfigError(InputError):
     """A configuration value is wrong; the message names the field and the fix."""
+
+
+class RunStopped(RuntimeError):
+    """A run stopped before its end for a reason it states: a signal (``interrupts.Preempted``),
+    too many non-finite gradients, no finite reward for too long. ``flowgrpo train`` prints the
+    message as one line and exits with ``exit_code``; the run's checkpoints are kept."""
+
+    exit_code = 1
+    quiet = False   # True on processes other than the main one: the main one says it

@@ -67,11 +67,11 @@ def ema_updates_per_step(config: TrainConfig, num_processes: int) -> int:
 
 
 def accumulation_steps(config: TrainConfig, num_processes: int) -> int:
-    """Replay batches per optimiser step on each process: ``training.optimizer_steps_per_epoch``
-    > 0 gives ceil(replay batches per process / steps), the same on every process; else
-    ``training.gradient_accumulation_steps`` (0: all of an inner epoch)."""
+    """Replay batches per optimiser step over every process (the trainer's ``step_windows``):
+    ``training.optimizer_steps_per_epoch`` > 0 gives ceil(replay batches of all processes /
+    steps); else ``training.gradient_accumulation_steps`` (0: all of an inner epoch)."""
     t = config.training
     if t.optimizer_steps_per_epoch > 0:
-        count = replay_batches_per_process(config, num_processes)
+        count = replay_batches_per_process(config, num_processes) * num_processes
         return max(1, math.ceil(count / t.optimizer_steps_per_epoch))
     return t.gradient_accumulation_steps

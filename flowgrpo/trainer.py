@@ -35,11 +35,14 @@ from flowgrpo import checkpoint as ckpt
 from flowgrpo import ranks
 from flowgrpo.config import TrainConfig, dump_config, redact, to_dict, validate
 from flowgrpo.ema import EMA
-from flowgrpo.engines import (check_engine, engine_name, preflight_engine, replica_checksums,
-                              set_gradient_sync)
+from flowgrpo.engines import (check_engine, enable_fsdp_on_cpu, engine_name, preflight_engine,
+                              replica_checksums, set_gradient_sync)
 from flowgrpo.guards import load_feature_extractor
+from flowgrpo.errors import RunStopped
 from flowgrpo.heldout import BestRecord, reward_directions, resolve_mode
-from flowgrpo.policy import check_model_source, load_policy_class
+from flowgrpo.interrupts import Preempted, StopRequested, StopSignals, agreed_signal, signal_name
+from flowgrpo.policy import check_model_source
+from flowgrpo.policy_registry import load_policy_class
 from flowgrpo.prompts import (PromptCurriculum, bucket_labels, check_balance_weights, load_prompts,
                               sample_indices)
 from flowgrpo.run_folder import RunLock
@@ -64,18 +67,43 @@ def scheduled_lr(lr: float, iteration: int, warmup: int, decay: str, final_ratio
     return lr * (final_ratio + (1.0 - final_ratio) * shape)
 
 
-def window_lengths(max_count: int, per_step: int) -> list[int]:
-    """Backward passes of each optimiser step of an inner epoch when the process with the most
-    replay batches holds ``max_count`` of them and a step takes ``per_step``: the same list on every
-    process, so every process joins every gradient all-reduce. Empty when nothing trains."""
-    return [min(per_step, max_count - start) for start in range(0, max_count, per_step)]
+def global_replay_order(keys: list[list[tuple[int, int]]]) -> list[tuple[int, int]]:
+    """The iteration's replay batches over every process, in the order one process would hold
+    them: sorted by (plan bucket, global id of the batch's first sample), ties (the steps of one
+    rollout chunk) in their rollout order. ``keys[q]``: those pairs for each of process q's replay
+    batches, in its order (``Trainer.replay_keys``). Returns (process, index in its list) per
+    global position."""
+    keyed = [(*key, index, process) for process, pairs in enumerate(keys)
+             for index, key in enumerate(pairs)]
+    return [(process, index) for *_, index, process in sorted(keyed)]
+
+
+def step_windows(order: list[int], per_step: int, owners: list[tuple[int, int]], process: int
+                 ) -> list[tuple[list[int], int]]:
+    """The optimiser steps of an inner epoch, for one process: (its replay batches in the step,
+    as indices into its own list; the backward passes every process runs in the step).
+
+    ``owners`` lists the global replay batches (``global_replay_order``), ``order`` permutes
+    them, and each step takes the next ``per_step`` of the permutation: a step trains the same
+    replay batches on any number of processes whose rollouts hold the same batches. Every
+    process runs as many passes as the process holding most of the step's batches (a short
+    process replays zero-weighted ones), so all join every all-reduce."""
+    processes = max((q for q, _ in owners), default=0) + 1
+    windows = []
+    for start in range(0, len(order), per_step):
+        window = [owners[g] for g in order[start:start + per_step]]
+        held = [0] * max(processes, process + 1)
+        for q, _ in window:
+            held[q] += 1
+        windows.append(([index for q, index in window if q == process], max(held)))
+    return windows
 
 
 def _mean(values: list[float]) -> float:
     return float(sum(values) / len(values)) if values else float("nan")
 
 
-class NonFiniteGradientError(RuntimeError):
+class NonFiniteGradientError(RunStopped):
     """Too many optimiser steps in a row had a non-finite gradient."""
 
 
@@ -114,6 +142,8 @@ class Trainer(TrainerAdvantages, TrainerCheckpoints, TrainerEvaluation):
             # would make a forward on the main process alone (evaluation) a collective.
             kwargs_handlers=[DistributedDataParallelKwargs(
                 broadcast_buffers=False, find_unused_parameters=t.ddp_find_unused_parameters)])
+        if accelerator is None:
+            enable_fsdp_on_cpu(self.accelerator)   # accelerate runs FSDP on GPUs only
         self.tracker = tracker
         # Batch divisibility depends on the process count, known only now.
         validate(config, num_processes=self.accelerator.num_processes)
@@ -167,9 +197,14 @@ class Trainer(TrainerAdvantages, TrainerCheckpoints, TrainerEvaluation):
                 handler = self.accelerator.ddp_handler or DistributedDataParallelKwargs()
                 handler.find_unused_parameters = True
                 self.accelerator.ddp_handler = handler
+            if self.sharded:
+                # FSDP2 shards each process's own copy (DDP and FSDP1 broadcast rank 0's), so the
+                # copies must be equal before they are cut.
+                self.check_replicas("loading the model", before_sharding=True)
             self.engine_module, self.optimizer = self.accelerator.prepare(
                 self.policy.module, self._make_optimizer())
             self.policy.bind(self.engine_module, self.sharded)
+            self.trainable = self.policy.trainable   # FSDP2 replaced them with sharded ones
             self.check_replicas("setup")
         except BaseException:
             self._lock.release()   # a failed start must not keep the run folder locked
@@ -185,6 +220,11 @@ class Trainer(TrainerAdvantages, TrainerCheckpoints, TrainerEvaluation):
         self.stopped_early: int | None = None
         self.start_iteration = 0
         self.skipped_in_a_row = 0
+        self.reward_streaks: dict[str, int] = {}   # check_reward_signal's iterations in a row
+        # run.save_on_signal: one process may cut a rollout short; several agree first.
+        self.signals = StopSignals(config.run.save_on_signal,
+                                   may_abandon=self.accelerator.num_processes == 1)
+        self.completed = 0   # iterations whose update has been applied
         self._seeds: dict[tuple, Tensor] = {}
         self.history: list[dict] = []
 
@@ -245,12 +285,13 @@ class Trainer(TrainerAdvantages, TrainerCheckpoints, TrainerEvaluation):
             return work()
         return self.main_only(section, work)
 
-    def check_replicas(self, when: str) -> None:
+    def check_replicas(self, when: str, before_sharding: bool = False) -> None:
         """Every process must hold the same trainable weights (DDP keeps them equal only if they
         start equal): compare checksums after setup and after a resume. Sharded engines hold
-        different shards by design and are skipped."""
+        different shards by design: they are compared only ``before_sharding``, when every
+        process still holds the whole model."""
         acc = self.accelerator
-        if acc.num_processes == 1 or self.sharded:
+        if acc.num_processes == 1 or (self.sharded and not before_sharding):
             return
         names = list(self.trainable)
         local = replica_checksums([self.trainable[n] for n in names]).to(acc.device)
@@ -295,32 +336,36 @@ class Trainer(TrainerAdvantages, TrainerCheckpoints, TrainerEvaluation):
     def update(self, batch, advantages: Tensor, iteration: int) -> dict[str, float]:
         """num_inner_epochs passes over the rollout's replay batches, clipped-surrogate loss.
 
-        An optimiser step accumulates the policy's ``accumulation_steps`` replay batches (0: all
-        of an epoch; ``training.gradient_accumulation_steps``, or derived from
-        ``optimizer_steps_per_epoch``). Every process runs the same number of backward passes per step
-        (``window_lengths``); one short of replay batches replays one of its own with weight 0.
+        An optimiser step accumulates the policy's ``accumulation_steps`` replay batches over
+        every process (0: all of an epoch; ``training.gradient_accumulation_steps``, or derived
+        from ``optimizer_steps_per_epoch``), taken from one permutation of every process's
+        batches (``step_windows``), so a step trains the same batches on 1 or N processes. Every
+        process runs the same number of backward passes per step; one short of replay batches
+        replays one of its own with weight 0. A batch's loss enters with weight 1 / per_step
+        (times the process count, which the engine's gradient mean divides out).
         """
         t = self.config.training
         acc = self.accelerator
         clip_high = t.clip_low if t.clip_high is None else t.clip_high
         replays = [r for r in batch.replay
                    if not (t.skip_zero_std_groups and bool((advantages[r.rows] == 0).all()))]
-        count = torch.tensor([len(replays)], device=acc.device)
-        max_count = int(acc.gather(count).max()) if acc.num_processes > 1 else len(replays)
-        per_step = self.policy.accumulation_steps or max(max_count, 1)
-        lengths = window_lengths(max_count, per_step)
+        owners = global_replay_order(self.replay_keys(batch, replays))
+        total = len(owners)
+        per_step = self.policy.accumulation_steps or max(total, 1)
+        scale = acc.num_processes / per_step
         step_weights = self.policy.step_weights(replays)
         # Per replay batch only detached tensors are kept; the statistics are computed once over
         # all of them at the end (``update_metrics``), so they describe the whole update.
         rows: dict[str, list[Tensor]] = {}
         first_pass_dev: list[Tensor] = []
         grad_norms: list[float] = []
-        skipped = 0
+        skipped = padded = 0
         for epoch in range(t.num_inner_epochs):
-            order = torch.randperm(len(replays), generator=seeded_generator(
+            order = torch.randperm(total, generator=seeded_generator(
                 self.config.run.seed, iteration, "epoch", epoch)).tolist()
-            for step, length in enumerate(lengths):
-                window = order[step * per_step:step * per_step + length]
+            windows = step_windows(order, per_step, owners, acc.process_index)
+            for step, (window, length) in enumerate(windows):
+                padded += length - len(window)
                 for position in range(length):
                     last = position == length - 1
                     padding = position >= len(window)
@@ -335,7 +380,7 @@ class Trainer(TrainerAdvantages, TrainerCheckpoints, TrainerEvaluation):
                         with acc.autocast():
                             loss, record = self.policy.replay_loss(batch, replay, advantages,
                                                                    iteration, clip_high, weights)
-                        self.backward(loss, 0.0 if padding else 1.0 / per_step)
+                        self.backward(loss, 0.0 if padding else scale)
                     if padding:
                         continue
                     for key, value in record.items():   # detached by contract; a detach is an op
@@ -359,9 +404,27 @@ class Trainer(TrainerAdvantages, TrainerCheckpoints, TrainerEvaluation):
         metrics["train/first_pass_ratio_max_dev"] = \
             float(torch.stack(first_pass_dev).max()) if first_pass_dev else 0.0
         metrics["train/replay_batches"] = len(replays)
+        metrics["train/padding_passes"] = padded   # zero-weighted passes of this process
         metrics["train/skipped_replay_batches"] = len(batch.replay) - len(replays)
         metrics["lr"] = self.optimizer.param_groups[0]["lr"]
         return metrics
+
+    def replay_keys(self, batch, replays: list) -> list[list[tuple[int, int]]]:
+        """Per process, (plan bucket, global sample id of the first row) of each replay batch
+        (``global_replay_order``); gathered, so the same lists on every process."""
+        local = [(int(getattr(replay, "bucket", 0)), int(batch.sample_ids[replay.rows[0]]))
+                 for replay in replays]
+        acc = self.accelerator
+        if acc.num_processes == 1:
+            return [local]
+        count = torch.tensor([len(local)], device=acc.device)
+        counts = acc.gather(count).cpu().tolist()
+        padded = torch.full((max(counts), 2), -1, dtype=torch.int64)
+        if local:
+            padded[:len(local)] = torch.tensor(local, dtype=torch.int64)
+        every = acc.gather(padded.unsqueeze(0).to(acc.device)).cpu()
+        return [[tuple(pair) for pair in every[q, :counts[q]].tolist()]
+                for q in range(acc.num_processes)]
 
     def backward(self, loss: Tensor, scale: float) -> None:
         """``accelerator.backward`` of ``scale * loss`` (d objective / d loss of a replay batch
@@ -418,7 +481,8 @@ class Trainer(TrainerAdvantages, TrainerCheckpoints, TrainerEvaluation):
         """rollout (+ threaded rewards) -> advantages -> update. Returns the iteration's metrics."""
         for group in self.optimizer.param_groups:
             group["lr"] = self.learning_rate(iteration)
-        batch, rewards, timing = self.rollout_and_score(iteration)
+        with self.signals.abandonable():
+            batch, rewards, timing = self.rollout_and_score(iteration)
         advantages, metrics = self.compute_advantages(batch, rewards)
         if self.curriculum is not None:
             metrics.update(self.observe_curriculum(iteration))
@@ -441,11 +505,13 @@ class Trainer(TrainerAdvantages, TrainerCheckpoints, TrainerEvaluation):
         already holds a run is refused unless ``resume`` is given or ``overwrite`` is True
         (which deletes it first). The folder stays locked against other processes until the
         run ends."""
+        self.signals.install()
         try:
             if self._run is None or resume is not None or overwrite is not None:
                 self.open_run(resume, bool(overwrite))   # else as given to Trainer(...)
             return self._train()
         finally:
+            self.signals.restore()
             self._lock.release()
 
     def _train(self) -> list[dict]:
@@ -463,16 +529,35 @@ class Trainer(TrainerAdvantages, TrainerCheckpoints, TrainerEvaluation):
             # The trackers' hyper-parameters are as public as the config file: secrets redacted.
             flat = {k: str(v) for k, v in _flatten(redact(to_dict(cfg))).items()}
             self.accelerator.init_trackers(cfg.name, config=flat)
-        if self.start_iteration == 0:
-            self.eval_and_log(0)
-            if cfg.run.comparison_grid:
-                self._everywhere_or_main("base grid samples", lambda: self.save_grid_samples("base"))
+        self.completed = self.start_iteration
         bar = tqdm(range(self.start_iteration, cfg.run.max_iterations), initial=self.start_iteration,
                    total=cfg.run.max_iterations, disable=not (cfg.run.progress and
                                                             self.accelerator.is_main_process),
                    desc=cfg.name, dynamic_ncols=True)
         began = time.perf_counter()
+        try:
+            self._loop(bar)
+        except StopRequested as stop:   # one process: cut short in a rollout or an evaluation
+            self.stop_on_signal(stop.signum, bar)
+        bar.close()
+        if cfg.run.comparison_grid:
+            self._everywhere_or_main("comparison grid", self.write_comparison_grid)
+        if self.tracker != "none":
+            self.accelerator.end_training()
+        if self.accelerator.is_main_process:
+            self.print_summary(time.perf_counter() - began)
+        return self.history
+
+    def _loop(self, bar) -> None:
+        """The iterations from ``start_iteration``; the base evaluation first in a new run."""
+        cfg = self.config
+        if self.start_iteration == 0:
+            with self.signals.abandonable():
+                self.eval_and_log(0)
+            if cfg.run.comparison_grid:
+                self._everywhere_or_main("base grid samples", lambda: self.save_grid_samples("base"))
         for iteration in bar:
+            self.stop_if_signalled(bar)
             tick = time.perf_counter()
             metrics = self.run_iteration(iteration)
             metrics["time/iteration"] = time.perf_counter() - tick
@@ -480,13 +565,18 @@ class Trainer(TrainerAdvantages, TrainerCheckpoints, TrainerEvaluation):
             self.log({"iteration": done, "phase": "train", **metrics})
             bar.set_postfix(reward=f"{metrics.get('reward/total/mean', float('nan')):.3f}",
                             sec=f"{metrics['time/iteration']:.1f}")
+            self.completed = done
             if metrics["reward/nan_count"]:
                 bar.write(f"iteration {done}: {metrics['reward/nan_count']} samples had no finite "
                           f"reward (NaN or +-inf); they were masked out of the advantages")
+            self.check_reward_signal(done)
             last = done == cfg.run.max_iterations
+            if not last:
+                self.stop_if_signalled(bar)
             stop = False
             if (cfg.run.eval_every and done % cfg.run.eval_every == 0) or last:
-                self.eval_and_log(done)
+                with self.signals.abandonable() if not last else nullcontext():
+                    self.eval_and_log(done)
                 stop = self.best is not None and self.best.exhausted(cfg.run.early_stop_patience)
             if (cfg.run.checkpoint_every and done % cfg.run.checkpoint_every == 0) or last or stop:
                 self.save(done)
@@ -497,14 +587,33 @@ class Trainer(TrainerAdvantages, TrainerCheckpoints, TrainerEvaluation):
                 bar.write(f"stopping early at iteration {done}: {self.best.key} has not beaten "
                           f"{best} in {cfg.run.early_stop_patience} evaluations")
                 break
+
+    # ------------------------------------------------------------------ signals
+    def stop_if_signalled(self, bar) -> None:
+        """A safe point of the loop (before a rollout, after an update): when a signal of
+        run.save_on_signal has reached any process, stop here (``stop_on_signal``). A
+        collective on several processes."""
+        signum = agreed_signal(self.accelerator, self.signals.received)
+        if signum is not None:
+            self.stop_on_signal(signum, bar)
+
+    def stop_on_signal(self, signum: int, bar) -> None:
+        """Save the state after the last applied update (``completed`` iterations) unless that
+        checkpoint exists already, end the trackers and raise ``Preempted``: one line naming
+        the signal and the checkpoint, exit code 128 + the signal's number."""
         bar.close()
-        if cfg.run.comparison_grid:
-            self._everywhere_or_main("comparison grid", self.write_comparison_grid)
+        done = self.completed
+        folder = self.run_dir / "checkpoints" / str(done)
+        if ckpt.checkpoint_problem(folder) is not None:   # else saved at this iteration
+            self.save(done)
         if self.tracker != "none":
             self.accelerator.end_training()
-        if self.accelerator.is_main_process:
-            self.print_summary(time.perf_counter() - began)
-        return self.history
+        name = signal_name(signum)
+        raise Preempted(signum, f"stopped by {name} after iteration {done} of "
+                                f"{self.config.run.max_iterations}: checkpoint {folder} is "
+                                f"complete; continue with --resume latest (exit code "
+                                f"{128 + signum})",
+                        quiet=not self.accelerator.is_main_process)
 
 def _flatten(tree: dict, prefix: str = "") -> dict:
     out = {}

@@ -7,10 +7,12 @@ the KL gate, the reference refresh) and the curriculum's record of mixed groups.
 
 ``TrainerAdvantages`` is a part of ``flowgrpo.trainer.Trainer``; it uses the trainer's
 ``config``, ``accelerator``, ``policy`` / ``reward``, ``feature_extractor``, ``curriculum``,
-``train_buckets``, ``reference_refreshed_at`` and ``group_prompts``, and keeps the gathered
-rewards in ``gathered`` for the curriculum.
+``train_buckets``, ``reference_refreshed_at``, ``reward_streaks`` and ``group_prompts``, and keeps
+the gathered rewards in ``gathered`` for the curriculum and ``check_reward_signal``.
 """
 from __future__ import annotations
+
+import warnings
 
 import torch
 from torch import Tensor
@@ -18,7 +20,7 @@ from torch import Tensor
 from flowgrpo.advantages import (PER_COMPONENT, decoupled_advantages, diversity_weights,
                                  group_advantages, kl_gate_weights, mask_nonfinite,
                                  region_advantages, saturation_weights)
-from flowgrpo.errors import ConfigError
+from flowgrpo.errors import ConfigError, RunStopped
 from flowgrpo.guards import gate_uncertainty, media_features
 from flowgrpo.prompts import mixed_groups
 
@@ -104,6 +106,33 @@ def advantage_estimator(config) -> str:
     return "group"
 
 
+class NoFiniteRewardError(RunStopped):
+    """No sample had a finite reward for ``training.max_iterations_without_finite_reward``
+    iterations in a row."""
+
+
+class ConstantRewardError(RunStopped):
+    """A weighted reward gave every sample the same value for
+    ``training.constant_reward_iterations`` iterations in a row (``on_constant_reward: stop``)."""
+
+
+def describe_returned(values: Tensor) -> str:
+    """What a reward returned for a batch (B,), in words: 'NaN for 16 of 16 samples',
+    '+inf for 2, NaN for 14 of 16 samples', '16 finite values'."""
+    kinds = [("NaN", values.isnan()), ("+inf", values.isposinf()), ("-inf", values.isneginf())]
+    parts = [f"{label} for {int(mask.sum())}" for label, mask in kinds if bool(mask.any())]
+    if not parts:
+        return f"{len(values)} finite values"
+    return f"{', '.join(parts)} of {len(values)} samples"
+
+
+def constant_value(values: Tensor) -> float | None:
+    """The value when every entry of ``values`` (B,) is the same finite number, else None."""
+    if len(values) < 2 or not bool(torch.isfinite(values).all()):
+        return None
+    return float(values[0]) if bool((values == values[0]).all()) else None
+
+
 class TrainerAdvantages:
     """The advantages-and-guards half of ``Trainer`` (see the module docstring)."""
 
@@ -116,8 +145,10 @@ class TrainerAdvantages:
         # Policies hand over NaN for a missing reward (and the reward boundary already turns
         # +-inf into NaN); masking here too keeps a policy that bypasses it from poisoning the
         # whole batch's advantages with one inf.
-        gathered = {k: mask_nonfinite(acc.gather(v.to(device)).cpu())[0]
-                    for k, v in rewards.items()}
+        returned = {k: acc.gather(v.to(device)).cpu() for k, v in rewards.items()}
+        gathered = {k: mask_nonfinite(v)[0] for k, v in returned.items()}
+        # What each reward returned, in words, for the error of a run without finite rewards.
+        self.returned = {k: describe_returned(v) for k, v in returned.items() if k != "total"}
         group_ids = acc.gather(batch.group_ids.to(device)).cpu()
         estimator = ADVANTAGE_ESTIMATORS[advantage_estimator(self.config)]
         advantages, stats, saturation_stats = estimator(self.config, self.reward.weights,
@@ -138,6 +169,45 @@ class TrainerAdvantages:
         # The same on every process (gathered), for the curriculum's bookkeeping.
         self.gathered = (gathered, group_ids)
         return advantages[start:start + local], metrics
+
+    def check_reward_signal(self, done: int) -> None:
+        """After iteration ``done`` (1-based), on every process alike (gathered rewards): stop
+        the run after ``training.max_iterations_without_finite_reward`` iterations in a row
+        without one finite reward, and warn (or stop, ``training.on_constant_reward``) once a
+        weighted reward has given every sample one value for ``constant_reward_iterations``
+        iterations in a row. Streaks count from the start of this process (a resume restarts
+        them)."""
+        t = self.config.training
+        gathered, _ = self.gathered
+        streaks = self.reward_streaks
+        none_finite = bool(gathered["total"].isnan().all())
+        streaks["no finite"] = streaks.get("no finite", 0) + 1 if none_finite else 0
+        limit = t.max_iterations_without_finite_reward
+        if limit and streaks["no finite"] >= limit:
+            returned = "; ".join(f"{name} returned {what}"
+                                 for name, what in sorted(self.returned.items()))
+            raise NoFiniteRewardError(
+                f"no sample had a finite reward in the last {streaks['no finite']} iterations "
+                f"(iterations {done - streaks['no finite'] + 1}-{done}): {returned}. Check the "
+                f"reward models (a server that is down, inputs they cannot score); the "
+                f"checkpoints are kept. training.max_iterations_without_finite_reward sets "
+                f"this limit (0 = never stop)")
+        if t.on_constant_reward == "ignore":
+            return
+        for name, weight in self.reward.weights.items():
+            value = constant_value(gathered[name]) if weight and name in gathered else None
+            key = f"constant {name}"
+            streaks[key] = streaks.get(key, 0) + 1 if value is not None else 0
+            if streaks[key] != t.constant_reward_iterations:
+                continue
+            message = (f"reward {name} gave every sample the value {value:.6g} in each of the "
+                       f"last {streaks[key]} iterations ({done - streaks[key] + 1}-{done}): its "
+                       f"advantages are all zero, so it teaches nothing. Check its inputs and "
+                       f"options (training.on_constant_reward: warn | stop | ignore)")
+            if t.on_constant_reward == "stop":
+                raise ConstantRewardError(message)
+            if self.accelerator.is_main_process:
+                warnings.warn(message, RuntimeWarning, stacklevel=2)
 
     def apply_guards(self, batch, gathered: dict[str, Tensor], group_ids: Tensor,
                      advantages: Tensor) -> tuple[Tensor, dict[str, float]]:

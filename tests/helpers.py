@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -46,6 +47,16 @@ def report_and_close(accelerator, out_path: str, record: dict) -> None:
     os._exit(0)
 
 
+def history_record(history: list[dict]) -> dict:
+    """What the launched training scripts report of a run's history: the first-pass ratio
+    deviation and the optimiser steps of each iteration, and each evaluation's metrics."""
+    train = [h for h in history if h["phase"] == "train"]
+    return {"first_pass_ratio_max_dev": [h["train/first_pass_ratio_max_dev"] for h in train],
+            "optimizer_steps": [h["train/optimizer_steps"] for h in train],
+            "eval": [{k: v for k, v in h.items() if k.startswith("eval/")} for h in history
+                     if h["phase"] == "eval"]}
+
+
 def load_benchmark(name: str) -> ModuleType:
     """benchmarks/<name>.py as a module (benchmarks/ is scripts, not a package)."""
     path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
@@ -78,6 +89,32 @@ class NaNForFirst:
         out = media.flatten(1).mean(1).float()
         out[0] = float("nan")
         return out
+
+
+class AllNaN:
+    """NaN for every sample: a reward that never works (a dead server, say)."""
+
+    name = "all_nan"
+
+    def __call__(self, media: Tensor, prompts: list[str], metadata: list[dict]) -> Tensor:
+        return torch.full((media.shape[0],), float("nan"))
+
+
+class SignalOnCall:
+    """Brightness that sends ``signal`` to its own process at its ``call``-th call (1-based),
+    only on the process of rank ``rank`` when given: a signal that arrives during a rollout."""
+
+    name = "brightness"
+
+    def __init__(self, signal: str = "SIGTERM", call: int = 1, rank: int | None = None) -> None:
+        self.signal, self.call, self.rank, self.calls = signal, int(call), rank, 0
+
+    def __call__(self, media: Tensor, prompts: list[str], metadata: list[dict]) -> Tensor:
+        self.calls += 1
+        if self.calls == self.call and (self.rank is None or
+                                        int(os.environ.get("RANK", "0")) == self.rank):
+            os.kill(os.getpid(), getattr(signal, self.signal))
+        return media.flatten(1).mean(1).float()
 
 
 class Constant:
@@ -171,11 +208,16 @@ def tiny_config(path: str, tmp_path: Path, *overrides: str) -> TrainConfig:
 
 # --------------------------------------------------------------------------- launched runs
 
-def run_launch(num_processes: int, script: str, *args: str, timeout: int = 300
-               ) -> subprocess.CompletedProcess:
+def run_launch(num_processes: int, script: str, *args: str, timeout: int = 300,
+               config_file: Path | None = None) -> subprocess.CompletedProcess:
+    """``accelerate launch`` of ``tests/<script>`` on CPU processes; ``config_file``: an accelerate
+    config (e.g. configs/accelerate/fsdp.yaml) whose engine the processes run, the flags below
+    overriding its process count and precision."""
     # torchrun-style launch of CPU processes: accelerate picks gloo when ACCELERATE_USE_CPU is set.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT), "ACCELERATE_USE_CPU": "true"}
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu" if num_processes > 1 else "--cpu",
+    engine = (["--config_file", str(config_file)] if config_file is not None
+              else ["--multi_gpu" if num_processes > 1 else "--cpu"])
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", *engine,
            "--num_processes", str(num_processes), "--num_machines", "1",
            "--main_process_port", str(free_port()), "--mixed_precision", "no",
            "--dynamo_backend", "no", str(ROOT / "tests" / script), *args]
@@ -188,8 +230,10 @@ def errors_of(result: subprocess.CompletedProcess) -> str:
 
 
 def launch(num_processes: int, config: Path, out: Path, script: str = "mp_advantages.py",
-           *before: str) -> dict:
-    result = run_launch(num_processes, script, *before, str(config), str(out))
+           *before: str, after: tuple[str, ...] = (), config_file: Path | None = None) -> dict:
+    """Launch ``script [*before] CONFIG OUT [*after]`` (``run_launch``) and return OUT's record."""
+    result = run_launch(num_processes, script, *before, str(config), str(out), *after,
+                        config_file=config_file)
     assert result.returncode == 0, errors_of(result)[-6000:]
     return json.loads(out.read_text())
 

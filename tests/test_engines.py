@@ -14,7 +14,8 @@ import torch
 from flowgrpo.config import ConfigError
 from flowgrpo.engines import (check_engine, preflight_engine, replica_checksums,
                               set_gradient_sync)
-from flowgrpo.trainer import NonFiniteGradientError, Trainer, window_lengths
+from flowgrpo.trainer import (NonFiniteGradientError, Trainer, global_replay_order,
+                              step_windows)
 from tests.helpers import edit_config, tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -125,12 +126,27 @@ def test_a_finite_step_after_a_skip_resets_the_count(fresh_accelerator, tiny_sd3
     assert metrics["train/skipped_steps"] == 0 and trainer.skipped_in_a_row == 0
 
 
-def test_window_lengths_are_the_same_on_every_process():
-    # 7 replay batches on the fullest process, 3 per step: steps of 3, 3 and 1 backward passes
-    assert window_lengths(7, 3) == [3, 3, 1]
-    assert window_lengths(6, 6) == [6]
-    assert window_lengths(0, 1) == []
-    assert sum(window_lengths(11, 4)) == 11
+def test_step_windows_train_the_same_batches_on_any_number_of_processes():
+    """7 replay batches, 3 per step, one permutation: the steps hold the same batches whether one
+    process holds all 7 or two hold 4 and 3, in whatever order each rolled them out; each
+    process runs as many passes as the fullest holder of the step."""
+    # (plan bucket, first sample id) of each replay batch: chunks starting at samples 0, 8, 16
+    # and 24 (groups 0-3, 8 rows each), with 2, 2, 1 and 2 trained steps; groups 0 and 2 share
+    # a plan (bucket 0), groups 1 and 3 another (bucket 1). One process rolls bucket 0 out
+    # first (chunks 0, 16), then bucket 1 (8, 24); two processes hold groups 0, 1 and 2, 3.
+    one_keys = [[(0, 0), (0, 0), (0, 16), (1, 8), (1, 8), (1, 24), (1, 24)]]
+    two_keys = [[(0, 0), (0, 0), (1, 8), (1, 8)], [(0, 16), (1, 24), (1, 24)]]
+    one, two = global_replay_order(one_keys), global_replay_order(two_keys)
+    assert one == [(0, i) for i in range(7)]   # one process: its own order
+    assert two == [(0, 0), (0, 1), (1, 0), (0, 2), (0, 3), (1, 1), (1, 2)]
+    assert [one_keys[q][i] for q, i in one] == [two_keys[q][i] for q, i in two]
+    order = [5, 0, 3, 6, 1, 4, 2]
+    assert step_windows(order, 3, one, 0) == [([5, 0, 3], 3), ([6, 1, 4], 3), ([2], 1)]
+    two = [(0, 0), (0, 1), (0, 2), (0, 3), (1, 0), (1, 1), (1, 2)]   # 4 and 3 batches in turn
+    first, second = step_windows(order, 3, two, 0), step_windows(order, 3, two, 1)
+    assert first == [([0, 3], 2), ([1], 2), ([2], 1)]
+    assert second == [([1], 2), ([2, 0], 2), ([], 1)]
+    assert step_windows([], 3, [], 1) == []
 
 
 def test_replica_checksums_tell_weights_apart():
@@ -143,8 +159,10 @@ def test_replica_checksums_tell_weights_apart():
     assert not torch.equal(replica_checksums(nudged)[0], same[0])
 
 
-def test_fsdp_and_deepspeed_without_gpus_are_refused_with_a_clear_error():
-    with pytest.raises(ConfigError, match="FSDP, which needs CUDA GPUs.*ddp.yaml"):
+def test_fsdp1_and_deepspeed_without_gpus_are_refused_with_a_clear_error():
+    # FSDP2 runs on CPU processes (tests/test_fsdp.py); FSDP1 (accelerate's default version)
+    # and DeepSpeed do not.
+    with pytest.raises(ConfigError, match="FSDP version 1, which needs CUDA GPUs.*ddp.yaml"):
         preflight_engine({"ACCELERATE_USE_FSDP": "true"}, cuda=False)
     with pytest.raises(ConfigError, match="DeepSpeed, which needs CUDA GPUs"):
         preflight_engine({"ACCELERATE_USE_DEEPSPEED": "true"}, cuda=False)
@@ -216,6 +234,33 @@ def test_what_a_sharded_engine_cannot_do_fails_at_start(tiny_sd3_path, tmp_path)
         check_engine(config, accumulating)
 
 
+def test_deepspeed_gets_a_micro_batch_and_zero3_keeps_transformers_models_whole(
+        tiny_sd3_path, tmp_path, monkeypatch):
+    """Two things accelerate's DeepSpeed path needs from a trainer that hands prepare() no
+    dataloader and loads frozen transformers models (found running ZeRO-2/3 on CPU processes
+    with deepspeed installed, docs/distributed.md): a micro batch size, else prepare() raises;
+    and, under ZeRO-3, transformers' DeepSpeed registration undone before the model loads, else
+    the text encoders load partitioned by zero.Init. deepspeed need not be installed here."""
+    import transformers.integrations.deepspeed as hf_deepspeed
+
+    class RegisteredZero3:
+        def is_zero3(self) -> bool:
+            return True
+
+    registered = RegisteredZero3()
+    config = tiny_config(tiny_sd3_path, tmp_path, "sampling.rollout_batch_size=2")
+    zero2 = fake_accelerator("deepspeed", zero_stage=2)
+    monkeypatch.setattr(hf_deepspeed, "_hf_deepspeed_config_weak_ref", lambda: registered)
+    check_engine(config, zero2)
+    assert zero2.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] == 2
+    assert hf_deepspeed.is_deepspeed_zero3_enabled()       # ZeRO-2: left alone
+    pinned = fake_accelerator("deepspeed", zero_stage=3)
+    pinned.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] = 8
+    check_engine(config, pinned)
+    assert pinned.state.deepspeed_plugin.deepspeed_config["train_micro_batch_size_per_gpu"] == 8
+    assert not hf_deepspeed.is_deepspeed_zero3_enabled()
+
+
 def test_fp16_full_fine_tuning_needs_float32_master_weights(tiny_sd3_path, tmp_path):
     with pytest.raises(ConfigError, match="model.dtype: float32"):
         tiny_config(tiny_sd3_path, tmp_path, "training.mixed_precision=fp16",
@@ -263,7 +308,7 @@ def test_the_trainer_hands_its_device_to_the_rewards(tiny_sd3_path, tmp_path, mo
 def test_the_lm_policy_does_not_import_the_flow_stack():
     """Training a causal LM needs neither diffusers nor the flow adapters and rollouts."""
     code = ("import sys; import flowgrpo.trainer, flowgrpo.llm, flowgrpo.policy; "
-            "from flowgrpo.policy import load_policy_class; load_policy_class('llm'); "
+            "from flowgrpo.policy_registry import load_policy_class; load_policy_class('llm'); "
             "print(sorted(m for m in ('diffusers', 'pipelines', 'flowgrpo.rollout', "
             "'flowgrpo.flow_policy', 'flowgrpo.toyworld', 'reward_models.geneval_toy') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,

@@ -102,10 +102,10 @@ def test_shipped_recipe_steps_the_optimiser_like_its_anchor(name):
     for processes in (8, anchor_processes):
         count = replay_batches_per_process(config, processes)
         assert count % steps == 0, (processes, count)
-        accumulation = accumulation_steps(config, processes)
-        assert math.ceil(count / accumulation) == steps
-        if processes == anchor_processes:
-            assert accumulation == ANCHOR_ACCUMULATION[name]
+        accumulation = accumulation_steps(config, processes)   # over every process
+        assert math.ceil(count * processes / accumulation) == steps
+        if processes == anchor_processes:   # the anchor's count is per GPU
+            assert accumulation == ANCHOR_ACCUMULATION[name] * processes
 
 
 # --------------------------------------------------------------------- --tiny

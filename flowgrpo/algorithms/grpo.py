@@ -295,8 +295,10 @@ class GRPO(FlowAlgorithm):
         with torch.no_grad():
             target = source_preserving_target(model.encode_images(sample).float(),
                                               model.encode_images(images).float(), region)
+        # Keyed by the batch's first sample id (global), not its row: the same draw on any
+        # number of processes.
         generator = seeded_generator(settings.seed, iteration, "keep_source", replay.step,
-                                     int(replay.rows[0]))
+                                     int(batch.sample_ids[replay.rows[0]]))
         noise = torch.randn(target.shape, generator=generator).to(device)
         sigmas = replay.sigmas.to(device).index_select(0, has_region).float()
         s = sigmas.view(-1, *([1] * (target.dim() - 1)))
