@@ -18,8 +18,14 @@ from safetensors.torch import load_file
 
 from flowgrpo import checkpoint as ckpt
 from flowgrpo.config import json_roundtrip, resume_signature
+from flowgrpo.engines import local_shard
 from flowgrpo.errors import InputError
 from flowgrpo.run_folder import open_run, set_aside
+
+
+# Engines whose weights and optimiser state a checkpoint holds in the engine's own format
+# (``engine/``, written by ``accelerator.save_state``).
+ENGINES_WITH_OWN_STATE = ("fsdp", "deepspeed")
 
 
 class TrainerCheckpoints:
@@ -27,22 +33,33 @@ class TrainerCheckpoints:
 
     def save(self, iteration: int, folder: str | None = None) -> Path:
         """checkpoints/<iteration>/: exact-resume state (safetensors) and the user-facing weights
-        (LoRA in the ecosystem's format, or the full model), EMA weights when EMA is on. Under a
-        sharded engine the engine's own sharded state goes to ``engine/`` and the user-facing
-        weights are consolidated on the main process. ``folder``: another name than the
+        (LoRA in the ecosystem's format, or the full model), EMA weights when EMA is on. Under
+        FSDP and DeepSpeed the engine's own (partitioned) state goes to ``engine/`` and the
+        user-facing weights are consolidated on the main process. ``folder``: another name than the
         iteration (``best``: the best evaluation's, never pruned, with ``best.json`` beside it)."""
         name = folder or str(iteration)
         directory = self.run_dir / "checkpoints" / name
         tensors = dict(self.trainable)
         if self.ema is not None:
             tensors.update({f"ema:{n}": v for n, v in self.ema.state_dict().items()})
-        bad = [n for n, p in tensors.items() if not bool(torch.isfinite(p).all())]
-        if bad:
-            raise FloatingPointError(f"not saving iteration {iteration}: {len(bad)} trainable "
-                                     f"or EMA tensors hold non-finite values (first: {bad[0]}); "
+        # Under FSDP2 each process checks its own shard; every process must then refuse together
+        # (the others would wait in the collective save below).
+        bad = [n for n, p in tensors.items() if not bool(torch.isfinite(local_shard(p)).all())]
+        bad_anywhere = len(bad)
+        if self.sharded and self.accelerator.num_processes > 1:
+            counts = torch.tensor([len(bad)], device=self.accelerator.device)
+            bad_anywhere = int(self.accelerator.gather(counts).sum())
+        if bad_anywhere:
+            first = f"first: {bad[0]}" if bad else "on another process"
+            raise FloatingPointError(f"not saving iteration {iteration}: {bad_anywhere} trainable "
+                                     f"or EMA tensors hold non-finite values ({first}); "
                                      f"the previous checkpoint is kept")
         consolidated = None
-        if self.sharded:
+        # FSDP and every DeepSpeed stage keep the optimiser state partitioned in their own
+        # format (ZeRO-2's optimiser state dict has no per-parameter "state" to flatten): the
+        # engine saves it, and the published weights come from its consolidated state dict.
+        engine_state = self.engine in ENGINES_WITH_OWN_STATE
+        if engine_state:
             # Collective: every process writes its shard and takes part in the consolidation.
             self.accelerator.save_state(str(self.run_dir / "checkpoints" /
                                             f"{ckpt.ENGINE_PREFIX}{name}"))
@@ -78,14 +95,14 @@ class TrainerCheckpoints:
                     tensor_files[ckpt.REFERENCE] = self.policy.reference_state()
             ckpt.save_checkpoint(
                 directory, iteration=iteration,
-                trainable={} if self.sharded else self.trainable,
-                optimizer=None if self.sharded else self.optimizer,
+                trainable={} if engine_state else self.trainable,
+                optimizer=None if engine_state else self.optimizer,
                 ema_state=self.ema.state_dict() if self.ema else None,
                 ema_counters=self.ema.counters() if self.ema else None, save_lora=save_weights,
                 extra=extra,
                 # inside the folder before its completion marker, so the marker covers it
                 engine_dir=(self.run_dir / "checkpoints" / f"{ckpt.ENGINE_PREFIX}{name}"
-                            if self.sharded else None),
+                            if engine_state else None),
                 tensor_files=tensor_files)
             if folder == ckpt.BEST:
                 ckpt.write_json_atomic(self.run_dir / "checkpoints" / ckpt.BEST_RECORD,
@@ -135,9 +152,10 @@ class TrainerCheckpoints:
                 return
             checkpoint = found
         path = Path(checkpoint)
-        state = ckpt.load_checkpoint(path, require_trainable=not self.sharded)
+        engine_state = self.engine in ENGINES_WITH_OWN_STATE
+        state = ckpt.load_checkpoint(path, require_trainable=not engine_state)
         saved_engine = state["state"].get("engine", "single")
-        if self.sharded or saved_engine in ("fsdp", "deepspeed"):
+        if engine_state or saved_engine in ENGINES_WITH_OWN_STATE:
             if saved_engine != self.engine:
                 raise ValueError(f"checkpoint {path} was written under {saved_engine}; resume it "
                                  f"under the same engine (this run: {self.engine})")

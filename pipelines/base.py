@@ -403,7 +403,27 @@ class TransformerTraining:
                           state_dict: dict[str, Tensor] | None = None) -> None:
         """The full fine-tuned transformer under ``folder/transformer`` (``from_pretrained``-
         loadable); ``state_dict`` as in ``lora_state_dict``."""
-        self.transformer.save_pretrained(Path(folder) / "transformer", state_dict=state_dict)
+        save_diffusers_model(self.transformer, Path(folder) / "transformer", state_dict)
+
+
+def save_diffusers_model(module: torch.nn.Module, folder: str | os.PathLike,
+                         state_dict: dict[str, Tensor] | None = None) -> None:
+    """``module.save_pretrained(folder)`` (a diffusers model: config + safetensors weights), with
+    the weights of ``state_dict`` when given. diffusers' ``save_pretrained`` takes no state dict
+    (one passed lands in its ``**kwargs`` unused) and saves the module's own, which under FSDP2
+    holds only this process's shards: the consolidated weights are written here instead, as
+    the single file ``from_pretrained`` reads."""
+    if state_dict is None:
+        module.save_pretrained(folder)
+        return
+    from diffusers.utils import SAFETENSORS_WEIGHTS_NAME
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    module.save_config(folder)
+    save_file({name: tensor.detach().contiguous().cpu() for name, tensor in state_dict.items()},
+              str(folder / SAFETENSORS_WEIGHTS_NAME), metadata={"format": "pt"})
 
 
 class DiffusersFlowModel(TransformerTraining):

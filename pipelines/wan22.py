@@ -15,7 +15,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from pipelines.base import LORA_WEIGHTS_NAME, lora_adapter_metadata, strip_peft_wrapper_prefix
+from pipelines.base import (LORA_WEIGHTS_NAME, lora_adapter_metadata, save_diffusers_model,
+                            strip_peft_wrapper_prefix)
 
 # Wan2.2's LoRA files: the high-noise expert's under diffusers' default name (``load_lora_weights
 # (folder)`` puts it into ``transformer``), the low-noise expert's under its own name (loaded with
@@ -163,8 +164,8 @@ def save_experts_full(experts: WanExperts, folder: str | os.PathLike,
     each ``WanTransformer3DModel.from_pretrained``-loadable. ``state_dict``: the experts'
     consolidated state (keys ``transformer.*`` / ``transformer_2.*``), split per expert."""
     for name in EXPERT_NAMES:
-        getattr(experts, name).save_pretrained(Path(folder) / name,
-                                               state_dict=expert_state(state_dict, name))
+        save_diffusers_model(getattr(experts, name), Path(folder) / name,
+                             expert_state(state_dict, name))
 
 
 def load_wan22_lora(pipeline: Any, directory: str | os.PathLike,

@@ -8,7 +8,7 @@ import torch
 from flowgrpo import checkpoint as ckpt
 from flowgrpo.config import load_config
 from flowgrpo.trainer import Trainer
-from tests.helpers import report_and_close
+from tests.helpers import history_record, report_and_close
 
 torch.set_num_threads(1)
 mode, config_path, out_path = sys.argv[1], sys.argv[2], sys.argv[3]
@@ -29,10 +29,6 @@ record = {
         name for name, p in getattr(trainer.engine_module, "module", trainer.engine_module)
         .named_parameters() if p.requires_grad),
     "trainable": sorted(trainer.trainable),
-    "first_pass_ratio_max_dev": [h["train/first_pass_ratio_max_dev"] for h in history
-                                 if h["phase"] == "train"],
-    "optimizer_steps": [h["train/optimizer_steps"] for h in history if h["phase"] == "train"],
-    "eval": [{k: v for k, v in h.items() if k.startswith("eval/")} for h in history
-             if h["phase"] == "eval"],
+    **history_record(history),
 }
 report_and_close(acc, out_path, record)

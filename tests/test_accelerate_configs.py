@@ -92,13 +92,16 @@ def tiny_transformer(family: str) -> torch.nn.Module:
 
 def fsdp_plugin(name: str, monkeypatch):
     """accelerate's FSDP plugin as a launched process builds it from the launcher's environment.
-    sync_module_states is passed as False: with True the plugin asks the GPU for its device,
-    and this machine has none (the file's value is checked on the environment instead)."""
+    Under FSDP1 sync_module_states is passed as False: with True the plugin asks the GPU for its
+    device, and this machine has none (FSDP2 has no such setting)."""
     from accelerate.utils import FullyShardedDataParallelPlugin
 
-    for key, value in launcher_env(name).items():
+    env = launcher_env(name)
+    for key, value in env.items():
         monkeypatch.setenv(key, value)
-    return FullyShardedDataParallelPlugin(sync_module_states=False)
+    if env.get("FSDP_VERSION", "1") == "1":
+        return FullyShardedDataParallelPlugin(sync_module_states=False)
+    return FullyShardedDataParallelPlugin()
 
 
 # --------------------------------------------------------------------------- the config files
@@ -189,17 +192,22 @@ def test_command_line_overrides_the_node_settings(name):
 
 @pytest.mark.parametrize("name", [f for f in FILES if f.startswith("fsdp")])
 def test_fsdp_settings_reach_the_plugin(name, monkeypatch):
-    from torch.distributed.fsdp import ShardingStrategy, StateDictType
+    from torch.distributed.fsdp import CPUOffloadPolicy, StateDictType
     from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
 
-    env = launcher_env(name)
-    assert env["FSDP_SYNC_MODULE_STATES"] == "true"
     plugin = fsdp_plugin(name, monkeypatch)
-    assert plugin.fsdp_version == 1
-    assert plugin.sharding_strategy == ShardingStrategy.FULL_SHARD
+    # FSDP2: the version that runs on CPU processes too (tests/test_fsdp.py) and shards frozen
+    # and trainable parameters of one block without use_orig_params.
+    assert plugin.fsdp_version == 2
+    assert plugin.reshard_after_forward is True          # FSDP1's FULL_SHARD
     assert plugin.auto_wrap_policy is transformer_auto_wrap_policy
-    assert plugin.use_orig_params is True
+    assert not isinstance(plugin.cpu_offload, CPUOffloadPolicy)
     assert plugin.state_dict_type == StateDictType.SHARDED_STATE_DICT
+    # FSDP1-only settings, which accelerate would drop with a warning under FSDP2, are not set
+    section = load_config_from_file(str(CONFIG_DIR / name)).fsdp_config
+    fsdp1_only = {"fsdp_sharding_strategy", "fsdp_use_orig_params", "fsdp_sync_module_states",
+                  "fsdp_backward_prefetch", "fsdp_forward_prefetch"}
+    assert not fsdp1_only & set(section), sorted(fsdp1_only & set(section))
     assert plugin.cpu_ram_efficient_loading is False
     assert plugin.activation_checkpointing is False
 
