@@ -28,6 +28,7 @@ from flowgrpo.flow_evaluation import FlowEvaluation
 from flowgrpo.guards import check_gate_keys, check_guard_keys, loaded_reward_keys
 from flowgrpo.heldout import load_eval_rewards
 from flowgrpo.losses import flow_kl
+from flowgrpo.model import cfg_gradient
 from flowgrpo.plans import make_plan, sample_trained_steps
 from flowgrpo.policy import Through, float32_trainable, frozen_reference, swapped_attribute
 from flowgrpo.prompts import (record_images, record_keep_masks, record_masks,
@@ -154,6 +155,12 @@ class FlowPolicy(FlowEvaluation):
         if sharded and engine_module is not self.module:
             # Sharded parameters: sampling and evaluation must gather them through the engine too.
             self.model.transformer = Through(engine_module, self.module)
+        if sharded:
+            # FSDP2 shards the module in place and registers new (DTensor) parameters under the
+            # same names: the ones collected before wrapping are no longer the module's.
+            current = {n: p for n, p in self.module.named_parameters() if p.requires_grad}
+            if current.keys() == self.trainable.keys():
+                self.trainable = current
 
     @contextmanager
     def training_forward(self):
@@ -245,7 +252,8 @@ class FlowPolicy(FlowEvaluation):
                                iteration=iteration, log_prob=s.log_prob, schedule_bounds=bounds,
                                anchor_steps=(self.config.training.anchor_steps
                                              if self.config.training.anchor_beta > 0 else 0),
-                               anchor_sigma_max=self.config.training.anchor_sigma_max)
+                               anchor_sigma_max=self.config.training.anchor_sigma_max,
+                               cfg_gradient=self.config.training.cfg_gradient)
 
     def time_shift(self) -> float | None:
         """The static shift of the rollout schedule when it is shift(t) of a linear t grid
@@ -272,6 +280,13 @@ class FlowPolicy(FlowEvaluation):
         plan_config, seed = self.config.sampling.plan, self.config.run.seed
         plans = {int(g): make_plan(plan_config, self.base_sigmas, iteration, int(g), seed,
                                    time_shift=self.time_shift()) for g in group_ids.unique()}
+        # Every group's plan, this process's or not: the rank of each plan by its first group
+        # is the order one process would roll the iteration's chunks out in (ReplayBatch.bucket).
+        buckets: dict[tuple, int] = {}
+        for g in range(self.config.training.prompts_per_iteration):
+            plan = plans.get(g) or make_plan(plan_config, self.base_sigmas, iteration, g, seed,
+                                             time_shift=self.time_shift())
+            buckets.setdefault(plan.key(), g)
         transitions = self.algorithm.keeps_transitions
         if not transitions:   # SDE steps still add noise; none is kept for training
             plans = {g: dataclasses.replace(p, trained=()) for g, p in plans.items()}
@@ -310,6 +325,9 @@ class FlowPolicy(FlowEvaluation):
                             settings, on_media=on_media, images=images,
                             sample_trained=sample_trained)
         rollout_seconds = time.perf_counter() - began
+        for replay in batch.replay:
+            replay.bucket = buckets[plans[int(group_ids[replay.rows[0]])].key()] \
+                if transitions else 0
         began = time.perf_counter()
         rewards: dict[str, Tensor] = {}
         try:
@@ -409,8 +427,11 @@ class FlowPolicy(FlowEvaluation):
 
     def replay_loss(self, batch: RolloutBatch, replay, advantages: Tensor, iteration: int,
                     clip_high: float, weights: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
-        """The loss of one replay unit: the algorithm's (``flowgrpo/algorithms/``)."""
-        return self.algorithm.loss(batch, replay, advantages, iteration, clip_high, weights)
+        """The loss of one replay unit: the algorithm's (``flowgrpo/algorithms/``). Every
+        forward of it (the policy's, the reference's, an old policy's) runs CFG's branches as
+        ``training.cfg_gradient`` says, so that forwards of equal weights give equal velocities."""
+        with cfg_gradient(self.config.training.cfg_gradient):
+            return self.algorithm.loss(batch, replay, advantages, iteration, clip_high, weights)
 
     def reference_mean(self, replay, cond, settings: RolloutSettings) -> Tensor:
         """(B, ...) the replay's transition means under the reference policy (no gradient)."""

@@ -7,8 +7,10 @@ timestep scale, shift, guidance) and nothing about sampling, rewards or losses.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Callable, Iterator, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -51,20 +53,72 @@ class Conditioning:
         return Conditioning(move(self.positive), move(self.negative), move(self.extra))
 
 
-def guided_velocity(forward, latents: Tensor, timestep: Tensor, positive: dict[str, Tensor],
-                    negative: dict[str, Tensor] | None, guidance_scale: float) -> Tensor:
-    """Classifier-free guidance in one batched forward, shared by every real-CFG family.
+# Where classifier-free guidance's unconditional branch gets gradient (training.cfg_gradient):
+# "both" backpropagates through v_neg + g (v_pos - v_neg) into both branches; "conditional"
+# treats v_neg as a constant, as Flow-GRPO's SD3 update did for a while (docs/recipes.md).
+CFG_GRADIENTS = ("both", "conditional")
 
-    ``forward(latents, timestep, text)`` runs the transformer on (N, ...) latents, (N,) timesteps
-    and a dict of (N, ...) text tensors and returns float32 velocities. With ``negative`` None it
-    is called once on the positive branch; otherwise on [negative; positive] and combined as
-    ``v_neg + g (v_pos - v_neg)``.
+_CFG_GRADIENT: ContextVar[str] = ContextVar("cfg_gradient", default="both")
+
+
+@contextmanager
+def cfg_gradient(mode: str) -> Iterator[None]:
+    """Run every ``guidance_branches`` / ``guided_velocity`` call inside with ``mode``.
+
+    "both" (the default outside any scope): one batched forward over [negative; positive], so
+    under autograd both branches carry gradient. "conditional": the negative branch in a forward
+    of its own under ``torch.no_grad`` (no activations stored, nothing to backpropagate through),
+    then the positive branch in the ambient grad mode. The split applies under an ambient
+    ``no_grad`` too: a rollout step that the update replays must run the same forwards (the same
+    batch geometry) as the replay, or the two velocities differ in the last bits and the
+    first-pass ratio is not exactly 1. Like ``torch.no_grad`` it is a mode, not an argument, so
+    that ``FlowModel.velocity`` keeps its signature and a family needs no code for it beyond
+    calling ``guided_velocity``.
+    """
+    if mode not in CFG_GRADIENTS:
+        raise ValueError(f"cfg_gradient must be one of {list(CFG_GRADIENTS)} (got {mode!r})")
+    token = _CFG_GRADIENT.set(mode)
+    try:
+        yield
+    finally:
+        _CFG_GRADIENT.reset(token)
+
+
+def guidance_branches(forward: Callable[[Tensor, Tensor, dict[str, Tensor]], Tensor],
+                      latents: Tensor, timestep: Tensor, positive: dict[str, Tensor],
+                      negative: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+    """(v_neg, v_pos): CFG's two branches, each (N, ...), in the current ``cfg_gradient`` mode.
+
+    ``forward(latents, timestep, text)`` runs the transformer on (M, ...) latents, (M,)
+    timesteps and a dict of (M, ...) text tensors (M = N or 2N) and returns float32 velocities.
+    ``negative`` holds the same keys as ``positive`` (converted to each positive tensor's dtype
+    and device). For families whose guidance is not the plain linear combination (Qwen-Image's
+    norm rescale); the others call ``guided_velocity``.
+    """
+    negative = {key: negative[key].to(value) for key, value in positive.items()}
+    if _CFG_GRADIENT.get() == "conditional":
+        with torch.no_grad():
+            v_neg = forward(latents, timestep, negative)
+        return v_neg, forward(latents, timestep, positive)
+    text = {key: torch.cat([negative[key], value]) for key, value in positive.items()}
+    v_neg, v_pos = forward(torch.cat([latents, latents]), torch.cat([timestep, timestep]),
+                           text).chunk(2)
+    return v_neg, v_pos
+
+
+def guided_velocity(forward: Callable[[Tensor, Tensor, dict[str, Tensor]], Tensor],
+                    latents: Tensor, timestep: Tensor, positive: dict[str, Tensor],
+                    negative: dict[str, Tensor] | None, guidance_scale: float | Tensor) -> Tensor:
+    """Classifier-free guidance, shared by every real-CFG family.
+
+    ``forward`` as in ``guidance_branches``. With ``negative`` None it is called once on the
+    positive branch; otherwise the branches run as ``cfg_gradient`` says (one batched forward
+    by default) and are combined as ``v_neg + g (v_pos - v_neg)``; ``guidance_scale`` is a float
+    or a tensor broadcastable to the velocities (a scale per row: Wan2.2's experts).
     """
     if negative is None:
         return forward(latents, timestep, positive)
-    text = {key: torch.cat([negative[key].to(value), value]) for key, value in positive.items()}
-    v_neg, v_pos = forward(torch.cat([latents, latents]), torch.cat([timestep, timestep]),
-                           text).chunk(2)
+    v_neg, v_pos = guidance_branches(forward, latents, timestep, positive, negative)
     return v_neg + guidance_scale * (v_pos - v_neg)
 
 
@@ -108,8 +162,9 @@ class FlowModel(Protocol):
     def velocity(self, latents: Tensor, sigma: Tensor, cond: Conditioning,
                  guidance_scale: float) -> Tensor:
         """Velocity (B, ...) at latents (B, ...) and per-sample sigma (B,). With a real-CFG family and
-        ``guidance_scale > 1`` and ``cond.negative`` set, both branches run in one batched forward
-        and are combined ``v_neg + g (v_pos - v_neg)``."""
+        ``guidance_scale > 1`` and ``cond.negative`` set, both branches run through
+        ``guided_velocity`` (one batched forward, or under ``cfg_gradient("conditional")`` the
+        negative one without autograd) and are combined ``v_neg + g (v_pos - v_neg)``."""
 
     def decode(self, latents: Tensor) -> Tensor:
         """Images (B, 3, H, W) or videos (B, F, 3, H, W), float32 in [0, 1]."""

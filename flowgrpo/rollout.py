@@ -27,7 +27,7 @@ from torch import Tensor
 from flowgrpo.plans import StepPlan
 from flowgrpo.seeding import seeded_generator
 from flowgrpo.sde import StepGaussian, dpmpp_2m_step, euler_step, score_step, transition
-from flowgrpo.model import Conditioning, FlowModel
+from flowgrpo.model import Conditioning, FlowModel, cfg_gradient
 
 
 @dataclass
@@ -66,6 +66,10 @@ class ReplayBatch:
     # Untrained-step states of this replay batch's chunk (training.anchor_beta), kept on the
     # chunk's first replay batch so that each is anchored once per inner epoch.
     anchors: list[AnchorBatch] = field(default_factory=list)
+    # Where the chunk's plan comes among the iteration's plans, ranked by the first group (of
+    # every process) that follows it: rollouts chunk the rows plan by plan in this order, so
+    # (bucket, first sample id) sorts every process's replay batches into one process's order.
+    bucket: int = 0
 
 
 @dataclass
@@ -111,6 +115,10 @@ class RolloutSettings:
     anchor_steps: int = 0              # untrained steps kept per chunk (training.anchor_beta)
     anchor_sigma_max: float = 1.0      # ... among those with sigma <= this
     keep_final_latents: bool = False   # keep each row's final latents (sample-based algorithms)
+    # training.cfg_gradient: "conditional" runs CFG's unconditional branch in a forward of its
+    # own (``flowgrpo.model.cfg_gradient``) in the replays and, so that a replayed velocity is
+    # the rollout's bit for bit, in the rollout's trained calls; untrained steps stay batched.
+    cfg_gradient: str = "both"
 
 
 def encode_rows(model: FlowModel, prompts: list[str], images: list[Tensor] | None = None
@@ -223,8 +231,9 @@ def run_plan(model: FlowModel, plan: StepPlan, latents: Tensor, cond: Conditioni
             for index, is_trained in parts:
                 part = (lambda t: t) if index is None else (lambda t, k=index: t[k])
                 part_cond = cond if index is None else cond.select(index)
-                velocity = model.velocity(part(x).to(model.dtype), part(sigma), part_cond,
-                                          settings.guidance_scale).to(torch.float32)
+                with cfg_gradient(settings.cfg_gradient if is_trained else "both"):
+                    velocity = model.velocity(part(x).to(model.dtype), part(sigma), part_cond,
+                                              settings.guidance_scale).to(torch.float32)
                 out = transition(settings.kind, velocity, part(x), part(sigma), part(sigma_next),
                                  noise_level=settings.noise_level, noise=part(noise),
                                  validate=False, log_prob=settings.log_prob,
@@ -368,10 +377,12 @@ def replay_logp(model: FlowModel, replay: ReplayBatch, cond: Conditioning, setti
     """Re-score a replay batch under the current weights (with grad).
 
     Returns (logp (b,), mean (b, ...)) for x -> x' under the recorded step's Gaussian (the same
-    transition kind, noise level and coefficients as the rollout).
+    transition kind, noise level and coefficients as the rollout), CFG's branches run as
+    ``settings.cfg_gradient`` says (as in the rollout's call of this step).
     """
-    velocity = model.velocity(replay.latents.to(model.dtype), replay.sigmas, cond,
-                              settings.guidance_scale)
+    with cfg_gradient(settings.cfg_gradient):
+        velocity = model.velocity(replay.latents.to(model.dtype), replay.sigmas, cond,
+                                  settings.guidance_scale)
     return score_step(velocity, replay.latents, replay.next_latents, replay.gaussian)
 
 

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from flowgrpo.model import Conditioning
+from flowgrpo.model import Conditioning, guidance_branches
 from pipelines.base import (AdapterOptions, DiffusersFlowModel, check_divisible,
                             check_pipeline_folder, parse_options, read_model_index,
                             require_attention_backend, resolve_dtype, resolve_size,
@@ -238,34 +238,34 @@ class QwenImageModel(DiffusersFlowModel):
 
     def velocity(self, latents: Tensor, sigma: Tensor, cond: Conditioning, guidance_scale: float) -> Tensor:
         """Velocity (B, tokens, 4C) float32 at packed ``latents`` and per-sample sigma (B,);
-        transformer timestep = sigma. CFG (guidance_scale > 1): one forward over [negative;
-        positive], v = v_neg + g (v_pos - v_neg), rescaled per token to |v_pos| (the pipeline's
-        true CFG). Text is cut to the longest prompt among the rows used."""
+        transformer timestep = sigma. CFG (guidance_scale > 1): both branches through
+        ``guidance_branches`` (one forward over [negative; positive] unless training.cfg_gradient
+        splits them), v = v_neg + g (v_pos - v_neg), rescaled per token to |v_pos| (the
+        pipeline's true CFG). Text is cut to the longest prompt among the rows of a forward."""
         batch = latents.shape[0]
         sigma = self._per_sample_sigma(sigma, batch, self.device)
         if cond.batch_size != batch:
             raise ValueError(f"cond has {cond.batch_size} rows but latents has {batch}")
         use_cfg = self._use_cfg(cond, guidance_scale)
         hidden = latents.to(self.device, self.dtype)
-        text = {k: cond.positive[k] for k in ("prompt_embeds", "prompt_embeds_mask")}
-        if use_cfg:
-            text = {k: torch.cat([cond.negative[k].to(v.device, v.dtype), v]) for k, v in text.items()}
-            hidden, sigma = torch.cat([hidden, hidden]), torch.cat([sigma, sigma])
-        length = _text_length(text["prompt_embeds_mask"])
-        embeds = text["prompt_embeds"][:, :length].to(self.device, self.dtype)
-        mask = text["prompt_embeds_mask"][:, :length].to(self.device)
-        # No padding left: no mask, as the pipeline passes (it drops an all-ones mask), which
-        # lets the attention take its unmasked kernel.
-        mask = None if bool(mask.all()) else mask
-        out = self.transformer(hidden_states=hidden, timestep=sigma.to(hidden.dtype),
-                               encoder_hidden_states=embeds, encoder_hidden_states_mask=mask,
-                               img_shapes=[self.img_shapes] * hidden.shape[0],
-                               return_dict=False)[0].float()
+        positive = {k: cond.positive[k] for k in ("prompt_embeds", "prompt_embeds_mask")}
+
+        def forward(hidden: Tensor, sigma: Tensor, text: dict[str, Tensor]) -> Tensor:
+            length = _text_length(text["prompt_embeds_mask"])
+            embeds = text["prompt_embeds"][:, :length].to(self.device, self.dtype)
+            mask = text["prompt_embeds_mask"][:, :length].to(self.device)
+            # No padding left: no mask, as the pipeline passes (it drops an all-ones mask),
+            # which lets the attention take its unmasked kernel.
+            mask = None if bool(mask.all()) else mask
+            return self.transformer(hidden_states=hidden, timestep=sigma.to(hidden.dtype),
+                                    encoder_hidden_states=embeds, encoder_hidden_states_mask=mask,
+                                    img_shapes=[self.img_shapes] * hidden.shape[0],
+                                    return_dict=False)[0].float()
+
         if not use_cfg:
-            return out
-        v_neg, v_pos = out.chunk(2)
-        combined = v_neg + guidance_scale * (v_pos - v_neg)
-        return combined * (v_pos.norm(dim=-1, keepdim=True) / combined.norm(dim=-1, keepdim=True))
+            return forward(hidden, sigma, positive)
+        v_neg, v_pos = guidance_branches(forward, hidden, sigma, positive, cond.negative)
+        return true_cfg(v_neg, v_pos, guidance_scale)
 
     def decode(self, latents: Tensor) -> Tensor:
         """Images (B, 3, H, W) float32 in [0, 1] from packed latents (B, tokens, 4C)."""
@@ -284,6 +284,13 @@ def _text_length(mask: Tensor) -> int:
     """Tokens up to the last real one over the rows of ``mask`` (B, L) (at least 1)."""
     real = mask.bool().any(dim=0).nonzero()
     return int(real.max()) + 1 if real.numel() else 1
+
+
+def true_cfg(v_neg: Tensor, v_pos: Tensor, guidance_scale: float) -> Tensor:
+    """Qwen-Image's true CFG of the branches (B, tokens, D): v_neg + g (v_pos - v_neg), each
+    token rescaled to the norm of its conditional velocity."""
+    combined = v_neg + guidance_scale * (v_pos - v_neg)
+    return combined * (v_pos.norm(dim=-1, keepdim=True) / combined.norm(dim=-1, keepdim=True))
 
 
 def _fit_text(text: dict[str, Tensor], length: int) -> dict[str, Tensor]:

@@ -22,9 +22,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from flowgrpo.model import Conditioning
+from flowgrpo.model import Conditioning, guidance_branches
 from pipelines.flux import pack_latents
-from pipelines.qwen_image import QwenImageModel, _fit_text, _text_length
+from pipelines.qwen_image import QwenImageModel, _fit_text, _text_length, true_cfg
 
 # QwenImageEditPipeline resizes every source image to about this many pixels.
 SOURCE_AREA = 1024 * 1024
@@ -117,21 +117,20 @@ class QwenImageEditModel(QwenImageModel):
         use_cfg = self._use_cfg(cond, guidance_scale)
         source = cond.positive["image_latents"].to(self.device, self.dtype)
         hidden = torch.cat([latents.to(self.device, self.dtype), source], dim=1)
-        text = {k: cond.positive[k] for k in ("prompt_embeds", "prompt_embeds_mask")}
-        if use_cfg:
-            text = {k: torch.cat([cond.negative[k].to(v.device, v.dtype), v]) for k, v in text.items()}
-            hidden, sigma = torch.cat([hidden, hidden]), torch.cat([sigma, sigma])
-        length = _text_length(text["prompt_embeds_mask"])
-        embeds = text["prompt_embeds"][:, :length].to(self.device, self.dtype)
-        mask = text["prompt_embeds_mask"][:, :length].to(self.device)
-        mask = None if bool(mask.all()) else mask      # as the pipeline: no all-ones mask
+        positive = {k: cond.positive[k] for k in ("prompt_embeds", "prompt_embeds_mask")}
         shapes = [self.img_shapes[0], tuple(int(v) for v in cond.extra["source_shape"])]
-        out = self.transformer(hidden_states=hidden, timestep=sigma.to(hidden.dtype),
-                               encoder_hidden_states=embeds, encoder_hidden_states_mask=mask,
-                               img_shapes=[shapes] * hidden.shape[0],
-                               return_dict=False)[0][:, :tokens].float()
+
+        def forward(hidden: Tensor, sigma: Tensor, text: dict[str, Tensor]) -> Tensor:
+            length = _text_length(text["prompt_embeds_mask"])
+            embeds = text["prompt_embeds"][:, :length].to(self.device, self.dtype)
+            mask = text["prompt_embeds_mask"][:, :length].to(self.device)
+            mask = None if bool(mask.all()) else mask      # as the pipeline: no all-ones mask
+            return self.transformer(hidden_states=hidden, timestep=sigma.to(hidden.dtype),
+                                    encoder_hidden_states=embeds, encoder_hidden_states_mask=mask,
+                                    img_shapes=[shapes] * hidden.shape[0],
+                                    return_dict=False)[0][:, :tokens].float()
+
         if not use_cfg:
-            return out
-        v_neg, v_pos = out.chunk(2)
-        combined = v_neg + guidance_scale * (v_pos - v_neg)
-        return combined * (v_pos.norm(dim=-1, keepdim=True) / combined.norm(dim=-1, keepdim=True))
+            return forward(hidden, sigma, positive)
+        v_neg, v_pos = guidance_branches(forward, hidden, sigma, positive, cond.negative)
+        return true_cfg(v_neg, v_pos, guidance_scale)

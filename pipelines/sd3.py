@@ -167,8 +167,9 @@ class SD3Model(DiffusersFlowModel):
 
     def velocity(self, latents: Tensor, sigma: Tensor, cond: Conditioning, guidance_scale: float) -> Tensor:
         """Velocity (B, C, h, w) float32 at ``latents`` (B, C, h, w) and per-sample sigma (B,);
-        transformer timestep = 1000 sigma. CFG (guidance_scale > 1): one forward over
-        [negative; positive], combined in float32 as v_neg + g (v_pos - v_neg)."""
+        transformer timestep = 1000 sigma. CFG (guidance_scale > 1): ``guided_velocity`` (one
+        forward over [negative; positive] unless training.cfg_gradient splits them), combined in
+        float32 as v_neg + g (v_pos - v_neg)."""
         batch = latents.shape[0]
         sigma = self._per_sample_sigma(sigma, batch, self.device)
         if cond.batch_size != batch:

@@ -308,8 +308,9 @@ class ToyFlowModel(TransformerTraining):
 
     def velocity(self, latents: Tensor, sigma: Tensor, cond: Conditioning, guidance_scale: float) -> Tensor:
         """Velocity (B, 3, H, W) float32 at pixels ``latents`` and per-sample ``sigma`` (B,).
-        With ``guidance_scale > 1`` and ``cond.negative`` set, one batched forward of both
-        branches, combined ``v_neg + g (v_pos - v_neg)``."""
+        With ``guidance_scale > 1`` and ``cond.negative`` set, both branches through
+        ``guided_velocity`` (one batched forward unless training.cfg_gradient splits them),
+        combined ``v_neg + g (v_pos - v_neg)``."""
         batch = latents.shape[0]
         sigma = torch.as_tensor(sigma, dtype=torch.float32).reshape(-1)
         if sigma.numel() == 1:

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from flowgrpo.model import Conditioning
+from flowgrpo.model import Conditioning, guided_velocity
 from pipelines.base import (LORA_WEIGHTS_NAME, AdapterOptions, DiffusersFlowModel,
                             check_divisible, check_pipeline_folder, is_local_path, parse_options,
                             read_model_index, require_attention_backend, resolve_dtype,
@@ -283,9 +283,10 @@ class WanModel(DiffusersFlowModel):
 
     def velocity(self, latents: Tensor, sigma: Tensor, cond: Conditioning, guidance_scale: float) -> Tensor:
         """Velocity (B, C, F', h, w) float32 at ``latents`` and per-sample sigma (B,); transformer
-        timestep = 1000 sigma (Wan2.2: each row runs its expert). CFG (guidance_scale > 1): one
-        forward over [negative; positive], combined in float32 as v_neg + g (v_pos - v_neg), g the
-        row's scale (Wan2.2: guidance_scale_2 on low-noise rows when set)."""
+        timestep = 1000 sigma (Wan2.2: each row runs its expert). CFG (guidance_scale > 1):
+        ``guided_velocity`` (one forward over [negative; positive] unless training.cfg_gradient
+        splits them), combined in float32 as v_neg + g (v_pos - v_neg), g the row's scale
+        (Wan2.2: guidance_scale_2 on low-noise rows when set)."""
         batch = latents.shape[0]
         sigma = self._per_sample_sigma(sigma, batch, self.device)
         if cond.batch_size != batch:
@@ -293,21 +294,19 @@ class WanModel(DiffusersFlowModel):
         use_cfg = self._use_cfg(cond, guidance_scale)
         hidden = latents.to(self.device, self.dtype)
         timestep = 1000.0 * sigma
-        positive = cond.positive["prompt_embeds"].to(self.device, self.dtype)
+        positive = {"prompt_embeds": cond.positive["prompt_embeds"].to(self.device, self.dtype)}
 
-        def forward(hidden: Tensor, timestep: Tensor, text: Tensor) -> Tensor:
-            return self.transformer(hidden_states=hidden, timestep=timestep, encoder_hidden_states=text,
+        def forward(hidden: Tensor, timestep: Tensor, text: dict[str, Tensor]) -> Tensor:
+            return self.transformer(hidden_states=hidden, timestep=timestep,
+                                    encoder_hidden_states=text["prompt_embeds"],
                                     return_dict=False)[0].float()
 
         if not use_cfg:
             return forward(hidden, timestep, positive)
-        negative = cond.negative["prompt_embeds"].to(self.device, self.dtype)
-        v_neg, v_pos = forward(torch.cat([hidden, hidden]), torch.cat([timestep, timestep]),
-                               torch.cat([negative, positive])).chunk(2)
         scale = self._guidance(timestep, guidance_scale)
-        if isinstance(scale, Tensor):
-            scale = scale.view(-1, *([1] * (v_pos.dim() - 1)))
-        return v_neg + scale * (v_pos - v_neg)
+        if isinstance(scale, Tensor):   # one scale per row: (B, 1, 1, 1, 1)
+            scale = scale.view(-1, *([1] * (hidden.dim() - 1))).to(self.device)
+        return guided_velocity(forward, hidden, timestep, positive, cond.negative, scale)
 
     def decode(self, latents: Tensor) -> Tensor:
         """Videos (B, F, 3, H, W) float32 in [0, 1] from latents (B, C, F', h, w)."""
