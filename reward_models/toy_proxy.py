@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from torch import Tensor, nn
 
+from flowgrpo.packaged_data import resolve_packaged_path
 from flowgrpo.toyworld.grammar import COLORS, PALETTE, RELATIONS, SHAPES, parse_prompt
 from reward_models.base import register_reward
 
@@ -156,7 +157,9 @@ class ToyProxyReward:
 
     def __init__(self, path: str = "assets/toy_proxy", member: int | None = None,
                  device: str | torch.device = "cpu"):
-        self.net = ToyProxyNet.from_pretrained(path).to(device)
+        # The default names the shipped proxy as in a checkout; from another folder it is the
+        # installed copy (flowgrpo/packaged_data.py). Paths in a config are resolved at load.
+        self.net = ToyProxyNet.from_pretrained(resolve_packaged_path(path)).to(device)
         self.net.requires_grad_(False)
         count = len(self.net.members)
         if member is not None and not 0 <= member < count:

@@ -1,4 +1,5 @@
-"""``flowgrpo sample | eval | grid``: look at and score a model and its trained checkpoints.
+"""``flowgrpo sample | eval | grid``: look at and score a model and its trained checkpoints;
+``flowgrpo configs``: list the built-in configs (``configs.py``).
 
 * ``sample``: deterministic (Euler ODE) samples per prompt and seed, as PNG (images) or MP4 + GIF
   (videos), optionally with a trainer checkpoint applied (``--lora CKPT``).
@@ -29,6 +30,7 @@ import argparse
 from flowgrpo.commands.evaluate import run_eval
 from flowgrpo.commands.grid import run_grid
 from flowgrpo.commands.common import FALLBACK_SAMPLING, SAMPLING_DEFAULTS
+from flowgrpo.commands.configs import add_configs_parser
 from flowgrpo.commands.sample import run_sample
 from flowgrpo.dtypes import DTYPE_NAMES
 from pipelines import MODEL_FAMILIES
@@ -61,7 +63,8 @@ def _add_model_arguments(parser: argparse.ArgumentParser, required: bool = True)
 
 
 def add_commands(subparsers) -> None:
-    """Register ``sample``, ``eval`` and ``grid`` on the ``flowgrpo`` sub-command parser."""
+    """Register ``sample``, ``eval``, ``grid`` and ``configs`` on the ``flowgrpo`` sub-command
+    parser."""
     sample = subparsers.add_parser(
         "sample", help="deterministic samples per prompt and seed (PNG, or MP4 + GIF for video)",
         description="Sample with the deterministic Euler ODE sampler; the noise of seed s is "
@@ -139,3 +142,5 @@ def add_commands(subparsers) -> None:
     grid.add_argument("--fps", type=float, default=8.0, help="frames per second of video grids")
     grid.add_argument("--out", required=True, help="output file, e.g. grid.png")
     grid.set_defaults(handler=run_grid)
+
+    add_configs_parser(subparsers)

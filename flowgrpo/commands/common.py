@@ -14,6 +14,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 import pipelines
+from flowgrpo.packaged_data import resolve_packaged_path
 from flowgrpo.prompts import load_prompts
 from flowgrpo.rollout import sample_ode
 from pipelines import MODEL_FAMILIES
@@ -33,14 +34,15 @@ IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
 
 # ================================================================================ argument parsing
 def parse_model(text: str) -> tuple[str, str]:
-    """``"FAMILY:PATH"`` -> (family, path); the family must be a known one."""
+    """``"FAMILY:PATH"`` -> (family, path); the family must be a known one. A shipped model named
+    as in a checkout (``toy:assets/toy``) is found from any folder (``resolve_packaged_path``)."""
     family, sep, path = text.partition(":")
     if not sep or not path:
         raise ValueError(f"--model must look like FAMILY:PATH, e.g. sd3:stabilityai/"
                          f"stable-diffusion-3.5-medium or toy:assets/toy (got {text!r})")
     if family not in MODEL_FAMILIES:
         raise ValueError(f"--model family {family!r} is unknown; use one of {sorted(MODEL_FAMILIES)}")
-    return family, path
+    return family, resolve_packaged_path(path)
 
 
 def parse_seeds(text: str | list[str]) -> list[int]:
@@ -145,7 +147,10 @@ def check_reward_names(specs: list[dict]) -> None:
 
 def resolve_prompts(text: str) -> list[dict]:
     """``--prompts``: a prompt file (.txt, one a line; .jsonl with prompt/metadata), ``toy:<split>``,
-    or else the text itself as the only prompt. Records ``{"prompt", "metadata"}``."""
+    or else the text itself as the only prompt. Records ``{"prompt", "metadata"}``. A shipped
+    prompt file named as in a checkout (``assets/prompts/general_eval.txt``) is found from any
+    folder (``resolve_packaged_path``)."""
+    text = resolve_packaged_path(text)
     looks_like_file = Path(text).suffix in (".txt", ".jsonl")
     if text.startswith("toy:") or Path(text).is_file():
         return load_prompts(text)
