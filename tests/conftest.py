@@ -25,20 +25,22 @@ def tiny_sd3_dir(tiny_sd3_path) -> str:
     return tiny_sd3_path
 
 
-@pytest.fixture(scope="session")
-def tiny_flux_dir(tmp_path_factory) -> str:
-    return save_tiny("flux", tmp_path_factory.mktemp("tiny") / "flux")
+def _tiny_build(family: str):
+    """A session fixture: the tiny offline build of ``family`` (pipelines/tiny.py), made once."""
+
+    @pytest.fixture(scope="session", name=f"tiny_{family}_dir")
+    def build(tmp_path_factory) -> str:
+        return save_tiny(family, tmp_path_factory.mktemp("tiny") / family)
+
+    return build
 
 
-@pytest.fixture(scope="session")
-def tiny_wan_dir(tmp_path_factory) -> str:
-    return save_tiny("wan", tmp_path_factory.mktemp("tiny") / "wan")
-
-
-@pytest.fixture(scope="session")
-def tiny_wan22_dir(tmp_path_factory) -> str:
-    """Wan2.2's two experts (boundary_ratio 0.875)."""
-    return save_tiny("wan22", tmp_path_factory.mktemp("tiny") / "wan22")
+tiny_flux_dir = _tiny_build("flux")
+tiny_flux_kontext_dir = _tiny_build("flux_kontext")
+tiny_qwen_image_dir = _tiny_build("qwen_image")
+tiny_qwen_image_edit_dir = _tiny_build("qwen_image_edit")
+tiny_wan_dir = _tiny_build("wan")
+tiny_wan22_dir = _tiny_build("wan22")   # Wan2.2's two experts (boundary_ratio 0.875)
 
 
 @pytest.fixture(scope="session")
@@ -60,3 +62,22 @@ def edit_dir(tmp_path_factory) -> str:
         weight[:, 3:] = 0.2 * torch.randn(weight[:, 3:].shape, generator=generator)
     model.save_pretrained(path)
     return path
+
+
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Fail the test if a policy (and so a model) is built: bad input must fail before."""
+    import flowgrpo.trainer as trainer_module
+
+    def boom(*args, **kwargs):
+        raise AssertionError("the model was loaded before the check failed")
+
+    monkeypatch.setattr(trainer_module, "load_policy_class", boom)
+
+
+@pytest.fixture(scope="module")
+def bench(request):
+    """benchmarks/<BENCHMARK>.py of the test module (its ``BENCHMARK``) loaded as a module."""
+    from tests.helpers import load_benchmark
+
+    return load_benchmark(request.module.BENCHMARK)

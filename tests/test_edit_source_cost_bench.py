@@ -8,7 +8,7 @@ import math
 import pytest
 
 from flowgrpo.config import ConfigError
-from tests.helpers import ROOT, load_benchmark
+from tests.helpers import ROOT
 
 # configs/toy_edit.yaml on the tiny editing model, small enough for a test.
 TINY = ["sampling.num_steps=6", "sampling.eval_num_steps=6", "sampling.rollout_batch_size=4",
@@ -17,9 +17,7 @@ TINY = ["sampling.num_steps=6", "sampling.eval_num_steps=6", "sampling.rollout_b
         "training.skip_zero_std_groups=false"]
 
 
-@pytest.fixture(scope="module")
-def bench():
-    return load_benchmark("edit_source_cost")
+BENCHMARK = "edit_source_cost"   # benchmarks/<BENCHMARK>.py, the `bench` fixture (conftest.py)
 
 
 def test_source_arm_trains_the_source_term_and_plain_arm_does_not(bench, edit_dir, tmp_path):

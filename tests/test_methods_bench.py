@@ -17,16 +17,13 @@ import torch
 from flowgrpo.config import load_config, to_dict
 from flowgrpo.flow_batches import accumulation_steps, replay_batches_per_process
 from flowgrpo.plans import make_plan, sample_trained_steps
-from tests.helpers import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 TOY = ROOT / "assets" / "toy"
 needs_toy = pytest.mark.skipif(not (TOY / "transformer").is_dir(), reason="assets/toy is not built")
 
 
-@pytest.fixture(scope="module")
-def bench():
-    return load_benchmark("methods")
+BENCHMARK = "methods"   # benchmarks/<BENCHMARK>.py, the `bench` fixture (conftest.py)
 
 
 def method_config(bench, name, *overrides):

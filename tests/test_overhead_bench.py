@@ -7,12 +7,9 @@ import time
 import pytest
 import torch
 
-from tests.helpers import load_benchmark
 
 
-@pytest.fixture(scope="module")
-def bench():
-    return load_benchmark("overhead")
+BENCHMARK = "overhead"   # benchmarks/<BENCHMARK>.py, the `bench` fixture (conftest.py)
 
 
 @pytest.mark.parametrize("plan", ["full", "window"])

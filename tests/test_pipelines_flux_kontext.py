@@ -12,7 +12,6 @@ from flowgrpo.model import FlowModel
 from flowgrpo.pixels import to_uint8
 from flowgrpo.rollout import sample_ode
 from pipelines import load_model
-from pipelines.tiny import save_tiny
 from tests.pipeline_helpers import IMAGE_OPTIONS, TINY_MAX_SEQUENCE_LENGTH, perturb_lora
 
 PROMPTS = ["make the cube red", "add a green sphere"]
@@ -21,13 +20,8 @@ H, W = IMAGE_OPTIONS["height"], IMAGE_OPTIONS["width"]
 
 
 @pytest.fixture(scope="module")
-def kontext_dir(tmp_path_factory) -> str:
-    return save_tiny("flux_kontext", tmp_path_factory.mktemp("tiny") / "flux_kontext")
-
-
-@pytest.fixture(scope="module")
-def kontext(kontext_dir):
-    return load_model("flux_kontext", kontext_dir, options=IMAGE_OPTIONS)
+def kontext(tiny_flux_kontext_dir):
+    return load_model("flux_kontext", tiny_flux_kontext_dir, options=IMAGE_OPTIONS)
 
 
 def _sources(seed: int = 0) -> list[torch.Tensor]:
@@ -59,11 +53,11 @@ def test_load_model_returns_an_editing_flow_model(kontext):
 
 
 @pytest.mark.parametrize("guidance_scale", [1.0, 3.5])
-def test_ode_matches_stock_pipeline(kontext, kontext_dir, guidance_scale):
+def test_ode_matches_stock_pipeline(kontext, tiny_flux_kontext_dir, guidance_scale):
     images = _sources()
     noise = kontext.initial_noise(len(PROMPTS), torch.Generator().manual_seed(0))
     ours = sample_ode(kontext, PROMPTS, noise, NUM_STEPS, guidance_scale, images=images)
-    reference = _stock_images(_stock(kontext_dir), images, noise, guidance_scale)
+    reference = _stock_images(_stock(tiny_flux_kontext_dir), images, noise, guidance_scale)
     assert ours.shape == reference.shape == (2, 3, H, W)
     torch.testing.assert_close(ours, reference, atol=1e-5, rtol=0)
 
@@ -82,7 +76,7 @@ def test_changing_only_the_source_image_changes_the_output(kontext):
         (1, *noise.shape[1:])
 
 
-def _kontext_trainer(kontext_dir: str, tmp_path, name: str, masks: bool = False,
+def _kontext_trainer(tiny_flux_kontext_dir: str, tmp_path, name: str, masks: bool = False,
                      locality: dict | None = None, rewards: list | None = None):
     """A Trainer of the tiny Kontext model on two JSONL edit records (source images written to
     tmp_path; with ``masks``, record i's mask is the top half of its i-th vertical stripe)."""
@@ -106,7 +100,7 @@ def _kontext_trainer(kontext_dir: str, tmp_path, name: str, masks: bool = False,
         training["locality"] = locality
     config = load_config(data={
         "name": name,
-        "model": {"family": "flux_kontext", "path": kontext_dir, "options": IMAGE_OPTIONS,
+        "model": {"family": "flux_kontext", "path": tiny_flux_kontext_dir, "options": IMAGE_OPTIONS,
                   "lora": {"rank": 4, "alpha": 8}},
         "prompts": {"train": str(tmp_path / "edits.jsonl"), "eval": None},
         "sampling": {"num_steps": 4, "eval_num_steps": 4, "rollout_batch_size": 4,
@@ -119,8 +113,8 @@ def _kontext_trainer(kontext_dir: str, tmp_path, name: str, masks: bool = False,
     return Trainer(config)
 
 
-def test_first_pass_ratio_is_exactly_one_and_lora_loads_in_the_stock_pipeline(kontext_dir, tmp_path):
-    trainer = _kontext_trainer(kontext_dir, tmp_path, "kontext")
+def test_first_pass_ratio_is_exactly_one_and_lora_loads_in_the_stock_pipeline(tiny_flux_kontext_dir, tmp_path):
+    trainer = _kontext_trainer(tiny_flux_kontext_dir, tmp_path, "kontext")
     metrics = trainer.run_iteration(0)
     assert metrics["train/replay_batches"] > 0
     assert metrics["train/first_pass_ratio_max_dev"] == 0.0
@@ -132,7 +126,7 @@ def test_first_pass_ratio_is_exactly_one_and_lora_loads_in_the_stock_pipeline(ko
     images = _sources()
     noise = model.initial_noise(2, torch.Generator().manual_seed(5))
     ours = sample_ode(model, PROMPTS, noise, NUM_STEPS, 3.5, images=images)
-    pipe = _stock(kontext_dir)
+    pipe = _stock(tiny_flux_kontext_dir)
     plain = _stock_images(pipe, images, noise, 3.5)
     pipe.load_lora_weights(str(tmp_path / "lora"))
     loaded = _stock_images(pipe, images, noise, 3.5)
@@ -140,14 +134,14 @@ def test_first_pass_ratio_is_exactly_one_and_lora_loads_in_the_stock_pipeline(ko
     torch.testing.assert_close(ours, loaded, atol=1e-3, rtol=0)
 
 
-def test_locality_masks_reach_the_packed_latents(kontext_dir, tmp_path):
+def test_locality_masks_reach_the_packed_latents(tiny_flux_kontext_dir, tmp_path):
     """training.locality on Kontext: each JSONL record's mask, downsampled to the VAE grid and
     packed like the latents, splits the replayed steps; the first pass's ratio stays exactly 1."""
     from flowgrpo.edit_regions import downsample_mask
     from pipelines.flux import unpack_latents
 
     trainer = _kontext_trainer(
-        kontext_dir, tmp_path, "kontext_locality", masks=True,
+        tiny_flux_kontext_dir, tmp_path, "kontext_locality", masks=True,
         locality={"mask": "record", "edit_key": "bright", "keep_key": "dark", "resize": "area"},
         rewards=[{"name": "tests.helpers:Brightness", "options": {"label": "bright"}},
                  {"name": "tests.helpers:Darkness", "options": {"label": "dark"}}])

@@ -15,18 +15,13 @@ from torch import Tensor
 from flowgrpo.model import Conditioning, FlowModel
 from pipelines import load_model
 from pipelines.qwen_image import QWEN_IMAGE_LORA_TARGET_MODULES
-from pipelines.tiny import QWEN_TEMPLATE_PREFIX_TOKENS, save_tiny
+from pipelines.tiny import QWEN_TEMPLATE_PREFIX_TOKENS
 from tests.pipeline_helpers import CallCounter, fail_on_weight_loading, perturb_lora
 
 PROMPTS = ["a red cube", "two green spheres on a long wooden table"]
 NUM_STEPS = 3
 MAX_SEQUENCE_LENGTH = 32
 OPTIONS = {"height": 32, "width": 32, "max_sequence_length": MAX_SEQUENCE_LENGTH}
-
-
-@pytest.fixture(scope="session")
-def tiny_qwen_image_dir(tmp_path_factory) -> str:
-    return save_tiny("qwen_image", tmp_path_factory.mktemp("tiny") / "qwen_image")
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ from PIL import Image
 from flowgrpo.model import FlowModel
 from flowgrpo.rollout import sample_ode
 from pipelines import load_model
-from pipelines.tiny import save_tiny
 
 pytestmark = pytest.mark.slow
 H = W = 32
@@ -22,13 +21,8 @@ NUM_STEPS = 2
 
 
 @pytest.fixture(scope="module")
-def edit_dir(tmp_path_factory) -> str:
-    return save_tiny("qwen_image_edit", tmp_path_factory.mktemp("tiny") / "qwen_image_edit")
-
-
-@pytest.fixture(scope="module")
-def model(edit_dir):
-    return load_model("qwen_image_edit", edit_dir, options=OPTIONS)
+def model(tiny_qwen_image_edit_dir):
+    return load_model("qwen_image_edit", tiny_qwen_image_edit_dir, options=OPTIONS)
 
 
 def _source(seed: int) -> torch.Tensor:
@@ -37,7 +31,7 @@ def _source(seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("guidance_scale", [1.0, 4.0])
-def test_ode_matches_stock_pipeline(model, edit_dir, guidance_scale):
+def test_ode_matches_stock_pipeline(model, tiny_qwen_image_edit_dir, guidance_scale):
     from diffusers import QwenImageEditPipeline
 
     from flowgrpo.pixels import to_uint8
@@ -46,7 +40,7 @@ def test_ode_matches_stock_pipeline(model, edit_dir, guidance_scale):
     image = _source(0)
     noise = model.initial_noise(1, torch.Generator().manual_seed(0))
     ours = sample_ode(model, [PROMPT], noise, NUM_STEPS, guidance_scale, images=[image])
-    pipe = QwenImageEditPipeline.from_pretrained(edit_dir)
+    pipe = QwenImageEditPipeline.from_pretrained(tiny_qwen_image_edit_dir)
     pipe.set_progress_bar_config(disable=True)
     reference = pipe(prompt=PROMPT, image=Image.fromarray(to_uint8(image)), height=H, width=W,
                      num_inference_steps=NUM_STEPS, true_cfg_scale=guidance_scale,
@@ -66,7 +60,7 @@ def test_changing_only_the_source_image_changes_the_output(model):
         model.encode_prompts([PROMPT])
 
 
-def test_first_pass_ratio_is_exactly_one_and_lora_loads_in_the_stock_pipeline(edit_dir, tmp_path):
+def test_first_pass_ratio_is_exactly_one_and_lora_loads_in_the_stock_pipeline(tiny_qwen_image_edit_dir, tmp_path):
     import json
 
     from diffusers import QwenImageEditPipeline
@@ -83,7 +77,7 @@ def test_first_pass_ratio_is_exactly_one_and_lora_loads_in_the_stock_pipeline(ed
     (tmp_path / "edits.jsonl").write_text("\n".join(lines) + "\n")
     config = load_config(data={
         "name": "qwen_edit",
-        "model": {"family": "qwen_image_edit", "path": edit_dir, "options": OPTIONS,
+        "model": {"family": "qwen_image_edit", "path": tiny_qwen_image_edit_dir, "options": OPTIONS,
                   "lora": {"rank": 4, "alpha": 8}},
         "prompts": {"train": str(tmp_path / "edits.jsonl"), "eval": None},
         "sampling": {"num_steps": 2, "eval_num_steps": 2, "rollout_batch_size": 2,
@@ -104,7 +98,7 @@ def test_first_pass_ratio_is_exactly_one_and_lora_loads_in_the_stock_pipeline(ed
     image = _source(0)
     noise = model.initial_noise(1, torch.Generator().manual_seed(5))
     ours = sample_ode(model, [PROMPT], noise, NUM_STEPS, 1.0, images=[image])
-    pipe = QwenImageEditPipeline.from_pretrained(edit_dir)
+    pipe = QwenImageEditPipeline.from_pretrained(tiny_qwen_image_edit_dir)
     pipe.set_progress_bar_config(disable=True)
     pipe.load_lora_weights(str(tmp_path / "lora"))
     loaded = pipe(prompt=PROMPT, image=Image.fromarray(to_uint8(image)), height=H, width=W,

@@ -3,10 +3,8 @@
 checkpoint's gold) on synthetic evaluation records."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,14 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def bench():
-    spec = importlib.util.spec_from_file_location("reward_hacking_bench",
-                                                  ROOT / "benchmarks" / "reward_hacking.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module          # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+BENCHMARK = "reward_hacking"   # benchmarks/<BENCHMARK>.py, the `bench` fixture (conftest.py)
 
 
 def _row(bench, iteration, gold, proxy, se=0.02, key=None):
