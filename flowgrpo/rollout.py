@@ -257,7 +257,7 @@ def run_plan(model: FlowModel, plan: StepPlan, latents: Tensor, cond: Conditioni
             continue
         velocity = model.velocity(x.to(model.dtype), sigma, cond,
                                   settings.guidance_scale).to(torch.float32)
-        if i > last_stochastic and plan.solver_after == "dpmpp_2m":
+        if plan.solver_for(i) == "dpmpp_2m":   # the plan says which solver a non-SDE step uses
             x, x0 = dpmpp_2m_step(x, velocity, sigma, sigma_next, prev_x0=prev_x0,
                                   prev_sigma=prev_sigma, final=i == plan.num_steps - 1)
             prev_x0, prev_sigma = x0, sigma

@@ -582,3 +582,44 @@ def test_dance_grpo_per_sample_trained_steps_split_the_call_and_keep_the_traject
     assert sum(len(b.rows) for b in replay) == 6 * 5
     assert len(split_model.calls) > len(whole_model.calls)           # mixed steps were split
 
+
+
+def test_the_rollout_asks_the_plan_which_solver_each_deterministic_step_uses(monkeypatch):
+    """One code path for a plan's per-step solver: rollout.run_plan (what training calls)
+    consults StepPlan.solver_for for every step that is not an SDE step, and integrates the
+    steps after the window with DPM-Solver++ exactly when the plan says so."""
+    from types import SimpleNamespace
+
+    from flowgrpo import rollout
+
+    base = static_shift_sigmas(12, 3.0)
+    plan = make_plan(PlanConfig(kind="window", shift_interval=1, window_size=3,
+                                solver_after="dpmpp_2m"), base, 2, 0, 0)
+    asked: list[tuple[int, str]] = []
+    real = StepPlan.solver_for
+
+    def spy(self, step):
+        asked.append((step, real(self, step)))
+        return asked[-1][1]
+
+    solved: list[int] = []
+    real_dpmpp = rollout.dpmpp_2m_step
+
+    def dpmpp_spy(*args, **kwargs):
+        solved.append(len(asked) - 1)
+        return real_dpmpp(*args, **kwargs)
+
+    monkeypatch.setattr(StepPlan, "solver_for", spy)
+    monkeypatch.setattr(rollout, "dpmpp_2m_step", dpmpp_spy)
+    model = SimpleNamespace(device=torch.device("cpu"), dtype=torch.float32,
+                            velocity=lambda x, sigma, cond, g: x - sigma.view(-1, 1))
+    settings = rollout.RolloutSettings(kind="flow_sde", noise_level=0.7, guidance_scale=1.0,
+                                       batch_size=2, share_initial_noise=False, seed=0,
+                                       iteration=2)
+    latents = torch.randn(2, 4, generator=torch.Generator().manual_seed(0))
+    rollout.run_plan(model, plan, latents, None, torch.arange(2), torch.arange(2), settings)
+    deterministic = [i for i in range(plan.num_steps) if i not in plan.stochastic]
+    assert [step for step, _ in asked] == deterministic
+    after = [k for k, (step, solver) in enumerate(asked) if solver == "dpmpp_2m"]
+    assert after and solved == after   # DPM-Solver++ ran on exactly the steps the plan names
+    assert all(step > plan.stochastic[-1] for step, solver in asked if solver == "dpmpp_2m")
