@@ -221,13 +221,19 @@ class FluxModel(DiffusersFlowModel):
         text_ids = cond.extra.get("text_ids")
         if text_ids is None:
             text_ids = torch.zeros(cond.positive["prompt_embeds"].shape[1], 3)
+        hidden, image_ids = self.image_tokens(latents.to(self.device, self.dtype), cond)
         out = self.transformer(
-            hidden_states=latents.to(self.device, self.dtype), timestep=sigma, guidance=guidance,
+            hidden_states=hidden, timestep=sigma, guidance=guidance,
             pooled_projections=cond.positive["pooled_prompt_embeds"].to(self.device, self.dtype),
             encoder_hidden_states=cond.positive["prompt_embeds"].to(self.device, self.dtype),
-            txt_ids=text_ids.to(self.device), img_ids=self.image_ids.to(self.device),
-            return_dict=False)[0]
-        return out.float()
+            txt_ids=text_ids.to(self.device), img_ids=image_ids, return_dict=False)[0]
+        # The velocity of the output tokens only (a subclass may append source tokens after them).
+        return out[:, :latents.shape[1]].float()
+
+    def image_tokens(self, latents: Tensor, cond: Conditioning) -> tuple[Tensor, Tensor]:
+        """The image tokens the transformer sees, (B, tokens', 4C), and their position ids
+        (tokens', 3): here the output tokens alone; Kontext appends its source image's."""
+        return latents, self.image_ids.to(self.device)
 
     def decode(self, latents: Tensor) -> Tensor:
         """Images (B, 3, H, W) float32 in [0, 1] from packed latents (B, tokens, 4C)."""

@@ -76,25 +76,14 @@ class FluxKontextModel(FluxModel):
     def velocity(self, latents: Tensor, sigma: Tensor, cond: Conditioning, guidance_scale: float) -> Tensor:
         """Velocity (B, tokens, 4C) float32 of the output tokens, the transformer seeing the output
         tokens followed by the source image's (``cond.positive["image_latents"]``)."""
-        batch, tokens = latents.shape[:2]
         if "image_latents" not in cond.positive:
             raise ValueError("flux_kontext needs the source image: encode the prompts with "
                              "encode_prompts(prompts, images=...)")
-        sigma = self._per_sample_sigma(sigma, batch, self.device)
-        if cond.batch_size != batch:
-            raise ValueError(f"cond has {cond.batch_size} rows but latents has {batch}")
-        guidance = None
-        if self.transformer.config.guidance_embeds:
-            guidance = torch.full((batch,), float(guidance_scale), device=self.device, dtype=torch.float32)
-        text_ids = cond.extra.get("text_ids")
-        if text_ids is None:
-            text_ids = torch.zeros(cond.positive["prompt_embeds"].shape[1], 3)
-        hidden = torch.cat([latents.to(self.device, self.dtype),
-                            cond.positive["image_latents"].to(self.device, self.dtype)], dim=1)
+        return super().velocity(latents, sigma, cond, guidance_scale)
+
+    def image_tokens(self, latents: Tensor, cond: Conditioning) -> tuple[Tensor, Tensor]:
+        """The output tokens followed by the source image's, with the source's ids (first
+        coordinate 1) after the output's."""
+        hidden = torch.cat([latents, cond.positive["image_latents"].to(self.device, self.dtype)], dim=1)
         ids = torch.cat([self.image_ids.to(self.device), self.source_image_ids.to(self.device)])
-        out = self.transformer(
-            hidden_states=hidden, timestep=sigma, guidance=guidance,
-            pooled_projections=cond.positive["pooled_prompt_embeds"].to(self.device, self.dtype),
-            encoder_hidden_states=cond.positive["prompt_embeds"].to(self.device, self.dtype),
-            txt_ids=text_ids.to(self.device), img_ids=ids, return_dict=False)[0]
-        return out[:, :tokens].float()
+        return hidden, ids
