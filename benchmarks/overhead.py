@@ -36,7 +36,8 @@ update = ``time/update`` (replay forwards, backwards, optimiser steps). "total" 
 
 The overhead (instrumented wall - model) is broken down by timing, the same way, what the loop calls besides
 the model: "maths" = the SDE transitions / DPM steps / policy loss (``flowgrpo.rollout.transition``,
-``score_step``, ``dpmpp_2m_step``, ``flowgrpo.algorithms.grpo.policy_loss``, ``guard_log_ratio``, ``flow_kl``) and their
+``score_step``, ``dpmpp_2m_step``, ``flowgrpo.algorithms.grpo.policy_loss``,
+``ratio_norm_log_ratio``, ``flow_kl``) and their
 backward, "noise" =
 per-sample seeded noise (``StepNoise``, ``initial_noise``), "cond" = ``encode_prompts`` minus the
 text encoders' own forward (the prompt-cache lookups), "adapt" = ``model.velocity`` minus the
@@ -244,7 +245,7 @@ def timed_functions(clock: ModelClock, device: torch.device) -> Iterator[None]:
 
     targets = [(rollout_module, "transition", "maths"), (rollout_module, "score_step", "maths"),
                (rollout_module, "dpmpp_2m_step", "maths"),
-               (trainer_module, "policy_loss", "maths"), (trainer_module, "guard_log_ratio", "maths"),
+               (trainer_module, "policy_loss", "maths"), (trainer_module, "ratio_norm_log_ratio", "maths"),
                (trainer_module, "flow_kl", "maths"), (rollout_module.StepNoise, "__init__", "noise"),
                (rollout_module.StepNoise, "__call__", "noise"),
                (rollout_module, "initial_noise", "noise")]

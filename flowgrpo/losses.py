@@ -9,8 +9,8 @@ log-density averaged over dims (``reduce="mean"`` in ``flowgrpo.sde``).
 
 Flow transitions
     ``policy_loss``            PPO clipped surrogate with per-sample weights
-    ``guard_log_ratio``        GRPO-Guard RatioNorm log-ratio
-    ``guard_step_weights``     GRPO-Guard 1/D gradient reweighting
+    ``ratio_norm_log_ratio``        GRPO-Guard RatioNorm log-ratio
+    ``dt_reweight_step_weights``     GRPO-Guard 1/D gradient reweighting
     ``batch_mean_dt_weights``  GRPO-Guard's released 1/mean_b(sqrt D)^2 loss scale
     ``std_over_sqrt_dt_weights``  Flow-GRPO's Wan loss scale mean_b(s) / mean_b(sqrt D)
     ``region_policy_loss``     the same per region of the latents (Edit-GRPO's locality)
@@ -68,7 +68,7 @@ def policy_loss(logp: Tensor, logp_old: Tensor, advantages: Tensor, clip_low: fl
     """PPO clipped surrogate over a batch of transitions.
 
     ratio r = exp(logp - logp_old), or exp(log_ratio) when ``log_ratio`` is given (e.g. from
-    ``guard_log_ratio``; logp and logp_old are then only checked for shape). Per sample
+    ``ratio_norm_log_ratio``; logp and logp_old are then only checked for shape). Per sample
     l = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high)), and
 
         loss = sum_i w_i l_i / #{i : w_i > 0}      (loss = 0 when every weight is 0)
@@ -78,7 +78,7 @@ def policy_loss(logp: Tensor, logp_old: Tensor, advantages: Tensor, clip_low: fl
     their absolute scale (the loss is not divided by sum(w)): a micro-batch often holds a single
     timestep, and a sum(w) normaliser would cancel any per-timestep weight. Normalise weights to
     mean 1 over all the trained (row, step) pairs of an iteration instead (see
-    ``guard_step_weights``). The clip is PPO's: once the ratio has left the range on the side the
+    ``dt_reweight_step_weights``). The clip is PPO's: once the ratio has left the range on the side the
     advantage pushes towards, that sample's gradient is exactly 0.
 
     Args:
@@ -295,7 +295,8 @@ def surrogate_stats(log_ratio: Tensor, advantages: Tensor, clip_low: float, clip
         }
 
 
-def guard_log_ratio(logp: Tensor, logp_old: Tensor, mean: Tensor, mean_old: Tensor, std: Tensor) -> Tensor:
+def ratio_norm_log_ratio(logp: Tensor, logp_old: Tensor, mean: Tensor, mean_old: Tensor,
+                         std: Tensor) -> Tensor:
     """GRPO-Guard RatioNorm log-ratio, (B,).
 
         b = mean_d((mean - mean_old)^2) / (2 std^2)
@@ -328,7 +329,7 @@ def guard_log_ratio(logp: Tensor, logp_old: Tensor, mean: Tensor, mean_old: Tens
     return (logp.to(dtype) - logp_old.detach().to(dtype) + bias) * std
 
 
-def guard_step_weights(sigma: Tensor, sigma_next: Tensor, *, normalize: bool = True) -> Tensor:
+def dt_reweight_step_weights(sigma: Tensor, sigma_next: Tensor, *, normalize: bool = True) -> Tensor:
     """GRPO-Guard gradient reweighting, (B,): w = 1 / D with D = sigma - sigma_next = -dt.
 
     With ``normalize`` (default) the weights are divided by their mean over the given batch so
@@ -359,7 +360,7 @@ def rectification_weights(sigma: Tensor, sigma_next: Tensor, std: Tensor, *, nor
     and kappa = S / |c_v| equalises the gradient scale across timesteps. s is recovered from the
     total std as s = S / sqrt(D). The same formula holds for the DanceGRPO SDE (s = eta), not
     for CPS. With ``normalize`` (default) kappa is divided by its mean over the given batch
-    (Flash-GRPO: kappa / mean_batch(kappa)); as for ``guard_step_weights``, that batch must
+    (Flash-GRPO: kappa / mean_batch(kappa)); as for ``dt_reweight_step_weights``, that batch must
     span the iteration's trained timesteps, not one micro-batch of a single timestep.
 
     Args:
@@ -383,7 +384,7 @@ def batch_mean_dt_weights(sigma: Tensor, sigma_next: Tensor) -> Tensor:
     """GRPO-Guard's released gradient reweighting, (B,): every row of the batch gets
     1 / mean_b(sqrt(D))^2, D = sigma - sigma_next (its loss divides the batch's policy loss by
     ``sqrt_dt.mean() ** 2``). Not normalised: on a batch of one step this is 1/D, the absolute
-    scale ``guard_step_weights`` normalises away.
+    scale ``dt_reweight_step_weights`` normalises away.
 
     Args:
         sigma, sigma_next: (B,) noise levels of each row's trained step, sigma_next < sigma.

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from flowgrpo.losses import (check_weights, flow_kl, guard_log_ratio, guard_step_weights, policy_loss,
+from flowgrpo.losses import (check_weights, flow_kl, ratio_norm_log_ratio, dt_reweight_step_weights, policy_loss,
                              rectification_weights, surrogate_stats)
 
 LOG_2PI = math.log(2 * math.pi)
@@ -227,7 +227,7 @@ def test_guard_log_ratio_equals_noise_projection():
     sample = mean_old + std.view(-1, 1, 1, 1) * eps
     logp = _gaussian_logp_mean(sample, mean, std)
     logp_old = _gaussian_logp_mean(sample, mean_old, std)
-    log_ratio = guard_log_ratio(logp, logp_old, mean, mean_old, std)
+    log_ratio = ratio_norm_log_ratio(logp, logp_old, mean, mean_old, std)
     expected = (eps * (mean - mean_old)).flatten(1).mean(dim=1)
     torch.testing.assert_close(log_ratio, expected, rtol=1e-9, atol=1e-12)
     # the raw log-ratio is biased by -b and scaled by 1/std; the guard removes both
@@ -239,19 +239,19 @@ def test_guard_log_ratio_is_zero_on_policy():
     mean = torch.randn(2, 8)
     std = torch.tensor([0.3, 0.1])
     logp = torch.tensor([-0.2, 0.4])
-    assert guard_log_ratio(logp, logp, mean, mean, std).abs().max().item() == 0.0
+    assert ratio_norm_log_ratio(logp, logp, mean, mean, std).abs().max().item() == 0.0
 
 
 def test_guard_step_weights_are_inverse_step_sizes_with_unit_mean():
     sigma = torch.tensor([1.0, 0.96013, 0.46488, 0.27805])
     sigma_next = torch.tensor([0.96013, 0.91335, 0.27805, 0.00893])
     inverse = 1 / (sigma - sigma_next)
-    torch.testing.assert_close(guard_step_weights(sigma, sigma_next, normalize=False), inverse)
-    weights = guard_step_weights(sigma, sigma_next)
+    torch.testing.assert_close(dt_reweight_step_weights(sigma, sigma_next, normalize=False), inverse)
+    weights = dt_reweight_step_weights(sigma, sigma_next)
     torch.testing.assert_close(weights, inverse / inverse.mean())
     assert weights.mean().item() == pytest.approx(1.0, rel=1e-6)
     with pytest.raises(ValueError, match="sigma_next must be < sigma"):
-        guard_step_weights(sigma_next, sigma)
+        dt_reweight_step_weights(sigma_next, sigma)
 
 
 # ---------------------------------------------------------------- Flash-GRPO rectification

@@ -15,7 +15,7 @@ from flowgrpo.ema import EMA, ema_decay
 from flowgrpo.flow_batches import ema_updates_per_step, rollout_sigmas
 from flowgrpo.algorithms.grpo import GRPO
 from flowgrpo.flow_policy import FlowPolicy
-from flowgrpo.losses import (batch_mean_dt_weights, flow_kl, guard_log_ratio, policy_loss,
+from flowgrpo.losses import (batch_mean_dt_weights, flow_kl, ratio_norm_log_ratio, policy_loss,
                              std_over_sqrt_dt_weights)
 from flowgrpo.plans import PlanConfig, dance_count, make_plan, sample_trained_steps
 from flowgrpo.sde import static_shift_sigmas, transition
@@ -119,7 +119,7 @@ def test_guard_batch_mean_loss_equals_grpo_guards_released_loss():
     """GRPO-Guard's released loss (Flow-GRPO's train_sd3_GRPO_Guard.py with rationorm):
     ratio = exp((logp - logp_old + b) * sqrt_dt.mean() * std_dev_t.mean()), b = mse /
     (2 (sqrt_dt.mean() std_dev_t.mean())^2), policy loss = mean(max(-A r, -A clip r)) /
-    sqrt_dt.mean()^2. A replay batch here holds one step, so ``guard_log_ratio`` with the
+    sqrt_dt.mean()^2. A replay batch here holds one step, so ``ratio_norm_log_ratio`` with the
     step's total std and ``batch_mean_dt_weights`` give that loss exactly."""
     sigmas = static_shift_sigmas(10, 3.0).double()
     for j in (0, 4, 8):
@@ -146,7 +146,7 @@ def test_guard_batch_mean_loss_equals_grpo_guards_released_loss():
                                -advantages * ratio.clamp(1 - clip, 1 + clip)).mean()
         anchor = anchor / sqrt_dt.mean() ** 2
         ours = policy_loss(new.log_prob, old.log_prob, advantages, clip, clip,
-                           log_ratio=guard_log_ratio(new.log_prob, old.log_prob, new.mean,
+                           log_ratio=ratio_norm_log_ratio(new.log_prob, old.log_prob, new.mean,
                                                      old.mean, new.std),
                            weights=batch_mean_dt_weights(sigma, sigma_next))
         # float32 log-ratios: equal to float32 rounding of the per-row terms (|A| r / dt)

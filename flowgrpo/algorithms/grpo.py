@@ -24,7 +24,7 @@ from torch import Tensor
 
 from flowgrpo.algorithms.base import FlowAlgorithm
 from flowgrpo.losses import (batch_mean_dt_weights, check_weights, fixed_region_shares, flow_kl,
-                             gated_kl, guard_log_ratio, guard_step_weights, policy_loss,
+                             dt_reweight_step_weights, gated_kl, policy_loss, ratio_norm_log_ratio,
                              rectification_weights, region_flow_kl, region_flow_matching,
                              region_policy_loss, signal_region_shares, source_preserving_target,
                              std_over_sqrt_dt_weights, surrogate_stats, velocity_anchor)
@@ -93,7 +93,7 @@ class GRPO(FlowAlgorithm):
         for replay in replays:
             weights = torch.ones_like(replay.logp_old)
             if t.dt_reweight and t.dt_reweight_norm == "iteration":
-                weights = weights * guard_step_weights(replay.sigmas, replay.sigmas_next,
+                weights = weights * dt_reweight_step_weights(replay.sigmas, replay.sigmas_next,
                                                        normalize=False)
             if t.rectification:
                 weights = weights * rectification_weights(replay.sigmas, replay.sigmas_next,
@@ -154,7 +154,7 @@ class GRPO(FlowAlgorithm):
         ``training.ratio_norm``."""
         t, replay = self.config.training, step.replay
         raw_log_ratio = logp.detach() - replay.logp_old
-        log_ratio = guard_log_ratio(logp, replay.logp_old, step.mean, replay.mean_old,
+        log_ratio = ratio_norm_log_ratio(logp, replay.logp_old, step.mean, replay.mean_old,
                                     replay.std) if t.ratio_norm else None
         loss = policy_loss(logp, replay.logp_old, adv, t.clip_low, clip_high, weights=weights,
                            log_ratio=log_ratio)
