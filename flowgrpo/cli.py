@@ -1,4 +1,4 @@
-"""Command line: ``flowgrpo train | sample | eval | grid | configs | serve-reward``.
+"""Command line: ``flowgrpo train | sample | eval | grid | configs | fetch-prompts | serve-reward``.
 
 Each sub-command validates its arguments before it loads a model, and exits with a one-line error
 (status 2) on bad input instead of a traceback. What counts as bad input is per command

@@ -1,8 +1,8 @@
 """The anchors' prompt sets: where each comes from, its terms, and how to fetch it.
 
 The GPU recipes train and evaluate on the prompt sets their anchors released. These are the
-anchors' data, not this project's, so they are not in the repository: ``python
-scripts/fetch_prompts.py NAME`` downloads a set once into ``assets/prompts/fetched/NAME/`` (git
+anchors' data, not this project's, so they are not in the repository: ``flowgrpo
+fetch-prompts NAME`` downloads a set once into ``assets/prompts/fetched/NAME/`` (git
 ignores that folder), from the anchor's repository at a pinned commit where one could be checked,
 and verifies every pinned file against its git blob id at that commit. Sets whose terms restrict
 their use (academic only, or no license stated) are fetched only with ``--accept-license``.
@@ -171,7 +171,7 @@ def set_of(path: str | os.PathLike) -> PromptSet | None:
 
 def fetch_command(prompt_set: PromptSet) -> str:
     flag = " --accept-license" if prompt_set.needs_acceptance else ""
-    return f"python scripts/fetch_prompts.py {prompt_set.name}{flag}"
+    return f"flowgrpo fetch-prompts {prompt_set.name}{flag}"
 
 
 def missing_hint(path: str | os.PathLike) -> str:

@@ -113,7 +113,7 @@ def test_registry_terms_flag_the_restricted_sets():
 
 def test_a_missing_set_names_its_fetch_command(tmp_path):
     missing = tmp_path / FETCH_ROOT / "mixgrpo_hpdv2" / "train.txt"
-    with pytest.raises(InputError, match=r"scripts/fetch_prompts.py mixgrpo_hpdv2 "
+    with pytest.raises(InputError, match=r"flowgrpo fetch-prompts mixgrpo_hpdv2 "
                                          r"--accept-license.*academic use only"):
         load_prompts(str(missing))
     with pytest.raises(InputError, match=r"does not exist \(give a .txt file"):
@@ -133,3 +133,42 @@ def test_tiny_runs_use_a_fetched_set_and_fall_back_to_the_stand_ins(tmp_path, mo
     edit = {"prompts": {"train": "assets/prompts/fetched/flow_grpo_counting_edit/train.jsonl"}}
     monkeypatch.chdir(tmp_path)    # no fetched set here
     assert _tiny_prompts(edit) == {"train": "toy:edit_train"}
+
+
+# ----------------------------------------------------------------- flowgrpo fetch-prompts (CLI)
+def test_cli_lists_the_sets_and_refuses_unknown_or_unaccepted_ones(capsys, tmp_path):
+    from flowgrpo.cli import main
+
+    assert main(["fetch-prompts", "--list"]) == 0
+    listed = capsys.readouterr().out
+    assert all(name in listed for name in PROMPT_SETS)
+    assert listed.count("(needs --accept-license)") == sum(
+        s.needs_acceptance for s in PROMPT_SETS.values())
+    # an unknown name is refused before anything downloads, naming the known ones
+    assert main(["fetch-prompts", "flow_grpo_ocr", "no_such_set", "--root", str(tmp_path)]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "'no_such_set'" in error and "flow_grpo_ocr" in error
+    assert not any(tmp_path.iterdir())
+    # restricted terms without consent: one line naming the flag, nothing written
+    assert main(["fetch-prompts", "mixgrpo_hpdv2", "--root", str(tmp_path)]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "--accept-license" in error
+    assert not any(tmp_path.iterdir())
+
+
+def test_cli_fetches_into_the_current_folder_where_recipes_read(monkeypatch, tmp_path):
+    """Without --root the set lands in ./assets/prompts/fetched/<name>/ (a wheel user's folder),
+    the path a recipe's prompts.train names."""
+    import functools
+
+    from flowgrpo.cli import main
+    from flowgrpo.commands import fetch_prompts as command
+
+    prompt_set, served = _fake_set(monkeypatch)
+    monkeypatch.setattr(command, "fetch", functools.partial(fetch, get=served.__getitem__,
+                                                            log=lambda _: None))
+    monkeypatch.chdir(tmp_path)
+    assert main(["fetch-prompts", prompt_set.name]) == 0
+    folder = tmp_path / FETCH_ROOT / prompt_set.name
+    records = [json.loads(line) for line in (folder / "train.jsonl").read_text().splitlines()]
+    assert records and all("prompt" in record for record in records)

@@ -1,5 +1,6 @@
 """``flowgrpo sample | eval | grid``: look at and score a model and its trained checkpoints;
-``flowgrpo configs``: list the built-in configs (``configs.py``).
+``flowgrpo configs``: list the built-in configs (``configs.py``); ``flowgrpo fetch-prompts``:
+download the anchors' prompt sets (``fetch_prompts.py``).
 
 * ``sample``: deterministic (Euler ODE) samples per prompt and seed, as PNG (images) or MP4 + GIF
   (videos), optionally with a trainer checkpoint applied (``--lora CKPT``).
@@ -31,6 +32,7 @@ from flowgrpo.commands.evaluate import run_eval
 from flowgrpo.commands.grid import run_grid
 from flowgrpo.commands.common import FALLBACK_SAMPLING, SAMPLING_DEFAULTS
 from flowgrpo.commands.configs import add_configs_parser
+from flowgrpo.commands.fetch_prompts import add_fetch_prompts_parser
 from flowgrpo.commands.sample import run_sample
 from flowgrpo.dtypes import DTYPE_NAMES
 from pipelines import MODEL_FAMILIES
@@ -144,3 +146,4 @@ def add_commands(subparsers) -> None:
     grid.set_defaults(handler=run_grid)
 
     add_configs_parser(subparsers)
+    add_fetch_prompts_parser(subparsers)
