@@ -122,6 +122,16 @@ def enable_fsdp_on_cpu(accelerator) -> None:
     # AcceleratorState copies PartialState's entries each time it is built (accelerate builds one
     # in many of its calls): without this the next one would switch the run back to MULTI_CPU.
     PartialState._shared_state["distributed_type"] = DistributedType.FSDP
+    # These are accelerate's private state: a version that keeps it elsewhere must fail here,
+    # loudly, not run DDP under an FSDP launch.
+    state = AcceleratorState()
+    if accelerator.distributed_type != DistributedType.FSDP or \
+            state.distributed_type != DistributedType.FSDP or state.fsdp_plugin is not plugin:
+        import accelerate
+
+        raise ConfigError(f"FSDP on CPU processes could not be turned on with accelerate "
+                          f"{accelerate.__version__} (tested with 1.16): launch with the DDP "
+                          f"config (configs/accelerate/ddp.yaml) or on GPUs")
 
 
 def local_shard(tensor: Tensor) -> Tensor:
