@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent
 PACKAGED_DIR = Path("flowgrpo") / "_packaged"
 # What ships, as globs under the repository root. Keep in step with MANIFEST.in.
 PACKAGED_GLOBS = ("configs/*.yaml", "configs/*/*.yaml", "assets/**/*")
-# Downloaded prompt sets (scripts/fetch_prompts.py) come with their own terms: never shipped.
+# Downloaded prompt sets (flowgrpo fetch-prompts) come with their own terms: never shipped.
 EXCLUDED_FOLDERS = (Path("assets") / "prompts" / "fetched",)
 
 
