@@ -8,6 +8,7 @@ import os
 from collections.abc import Mapping
 
 import torch
+from accelerate import __version__ as accelerate_version
 from accelerate.state import AcceleratorState, PartialState
 from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 from torch import Tensor
@@ -127,10 +128,8 @@ def enable_fsdp_on_cpu(accelerator) -> None:
     state = AcceleratorState()
     if accelerator.distributed_type != DistributedType.FSDP or \
             state.distributed_type != DistributedType.FSDP or state.fsdp_plugin is not plugin:
-        import accelerate
-
         raise ConfigError(f"FSDP on CPU processes could not be turned on with accelerate "
-                          f"{accelerate.__version__} (tested with 1.16): launch with the DDP "
+                          f"{accelerate_version} (tested with 1.16): launch with the DDP "
                           f"config (configs/accelerate/ddp.yaml) or on GPUs")
 
 
