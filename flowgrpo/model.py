@@ -122,6 +122,64 @@ def guided_velocity(forward: Callable[[Tensor, Tensor, dict[str, Tensor]], Tenso
     return v_neg + guidance_scale * (v_pos - v_neg)
 
 
+class SourceImages(torch.Tensor):
+    """The source images of a prompt that gives several (a JSONL line's ``"images"``), as one
+    value: it *is* its first image, (3, H, W) float in [0, 1] (the image being edited: what the
+    rewards' ``source_image``, the edit masks, ``training.locality`` and the grids' source column
+    read, unchanged), and ``images`` holds all of them in order, each (3, H_i, W_i) (what a
+    multi-image editing model conditions on: ``source_images_of``). Operations on it give plain
+    tensors (its ``__torch_function__`` is disabled), so nothing derived carries the others."""
+
+    images: tuple[Tensor, ...]
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def __new__(cls, images) -> "SourceImages":
+        images = tuple(images)
+        if len(images) < 2 or not all(isinstance(i, Tensor) and i.dim() == 3 for i in images):
+            raise ValueError("SourceImages holds two or more (3, H, W) tensors (one image is the "
+                             "tensor itself)")
+        value = images[0].as_subclass(cls)
+        value.images = images
+        return value
+
+    def __deepcopy__(self, memo) -> "SourceImages":
+        return SourceImages([i.clone() for i in self.images])
+
+    def __reduce_ex__(self, protocol):
+        return SourceImages, (list(self.images),)
+
+
+def source_images_of(image: Tensor) -> tuple[Tensor, ...]:
+    """All source images of one prompt row: ``image.images`` for a ``SourceImages``, else
+    ``(image,)``."""
+    return image.images if isinstance(image, SourceImages) else (image,)
+
+
+def source_image_limit(model) -> int:
+    """How many source images one prompt may give ``model`` (an adapter or its class): 0 when
+    it does not edit images, else its ``max_source_images`` (1 unless it says more)."""
+    if not getattr(model, "supports_images", False):
+        return 0
+    return int(getattr(model, "max_source_images", 1))
+
+
+def check_source_images(model, images: list[Tensor]) -> None:
+    """ValueError naming the first row whose prompt gives ``model`` more source images than its
+    family takes (``source_image_limit``): a one-image family given several, or more than a
+    multi-image family's ``max_source_images``."""
+    limit = source_image_limit(model)
+    for row, image in enumerate(images):
+        count = len(source_images_of(image))
+        if count > limit:
+            takes = ("does not edit images" if limit == 0 else
+                     "takes one source image per prompt" if limit == 1 else
+                     f"takes at most {limit} source images per prompt")
+            raise ValueError(f"row {row}'s prompt gives {count} source images (\"images\") but "
+                             f"the {model.family} family {takes}; give those prompt records at "
+                             f"most {limit}, or use a multi-image editing family (e.g. "
+                             f"qwen_image_edit_plus)")
+
+
 @runtime_checkable
 class FlowModel(Protocol):
     """A text-to-image/video flow-matching model seen as a velocity field.
@@ -143,6 +201,9 @@ class FlowModel(Protocol):
     # and puts the image's latents/tokens in the Conditioning's batched tensors (one row per
     # prompt, in both branches), so ``select``, the rollout and the replay need nothing else.
     # Not a protocol member, so text-to-image families need not declare it.
+    # Optional: ``max_source_images`` (default 1): how many source images one prompt may give a
+    # multi-image editing model; a prompt with several hands it a ``SourceImages`` (below) in
+    # place of the one tensor, and ``check_source_images`` refuses more than the family takes.
     # Optional: ``region_mask(mask, resize)`` maps an edit-region mask (B, 1, H, W) in [0, 1] in
     # pixels to a tensor broadcastable to the latents (B, ...), for ``training.locality``
     # (``flowgrpo.edit_regions``): the toy model's latents are its pixels; a VAE family

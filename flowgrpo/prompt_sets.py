@@ -205,16 +205,18 @@ def _geneval_record(item: dict) -> dict:
 
 def _edit_record(item: dict) -> dict:
     record = _geneval_record(item)
-    image = record["metadata"].pop("image", None)
-    if image is not None:
-        record["image"] = image
+    for key in ("image", "images"):     # one source image, or a list of them (multi-image edits)
+        value = record["metadata"].pop(key, None)
+        if value is not None:
+            record[key] = value
     return record
 
 
 def convert(data: bytes, how: str) -> bytes:
     """A fetched file in this project's format: "copy" as it is; "geneval_jsonl" (Flow-GRPO's
     flat GenEval lines) as {"prompt", "metadata": {everything else, "family": tag}};
-    "edit_jsonl" the same with the source image's path moved to the record's "image"."""
+    "edit_jsonl" the same with the source image's path moved to the record's "image" (a list
+    of paths to its "images")."""
     if how == "copy":
         return data
     if how not in CONVERSIONS:

@@ -3,12 +3,15 @@
 Every source yields ``{"prompt": str, "metadata": dict}`` records; rewards that verify structure
 (the toy verifier, OCR targets) read the metadata. An editing record also carries its source
 image: ``"image"``, a float32 tensor (3, H, W) in [0, 1] (``toy:edit_train``, or a JSONL line's
-``"image"``, a path relative to the JSONL file). ``record_images`` and ``reward_metadata`` hand
-it to the model and to the rewards (as ``metadata["source_image"]``). It may carry the edit
-region too: ``"mask"``, float32 (1, H, W) in [0, 1] (the toy edits' exact region, or a JSONL
-line's ``"mask"``, a greyscale image path), read by ``training.locality.mask: record``, and
-the region the edit must leave alone: ``"keep_mask"`` in the same forms (the toy edits: the
-source's other objects), read by ``training.locality.keep_region: record``.
+``"image"``, a path relative to the JSONL file, or ``"images"``, a list of such paths for a
+multi-image editing model: then ``"image"`` is a ``flowgrpo.model.SourceImages``, the first
+image carrying all of them). ``record_images`` and ``reward_metadata`` hand it to the model and
+to the rewards (as ``metadata["source_image"]``, which reads as the first image). It may carry
+the edit region too: ``"mask"``, float32 (1, H, W) in [0, 1] (the toy edits' exact region, or a
+JSONL line's ``"mask"``, a greyscale image path, the first image's size), read by
+``training.locality.mask: record``, and the region the edit must leave alone: ``"keep_mask"`` in
+the same forms (the toy edits: the source's other objects), read by
+``training.locality.keep_region: record``.
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ from torch import Tensor
 
 from flowgrpo.dotted import import_dotted
 from flowgrpo.errors import ConfigError, InputError
+from flowgrpo.model import SourceImages
 from flowgrpo.pixels import from_uint8
 from flowgrpo.prompt_sets import missing_hint
 from flowgrpo.seeding import seeded_generator
@@ -35,7 +39,8 @@ PROMPT_SUFFIXES = (".txt", ".jsonl")
 # loads the toy world.
 TOY_PROMPTS = "flowgrpo.toyworld:prompt_records"
 _FORMATS = ("give a .txt file (one prompt a line), a .jsonl file (one {\"prompt\": \"...\", "
-            "\"metadata\": {...}} object a line, with \"image\": \"path\" for editing) or "
+            "\"metadata\": {...}} object a line, with \"image\": \"path\" for editing, "
+            "\"images\": [\"path\", ...] for several source images) or "
             "toy:train / toy:heldout / toy:edit_train / toy:edit_heldout")
 
 
@@ -91,18 +96,14 @@ def _jsonl_record(line: str, where: str, folder: Path | None = None) -> dict:
     if not isinstance(metadata, dict):
         raise InputError(f"{where}: \"metadata\" must be a JSON object (got a JSON "
                          f"{_json_kind(metadata)})")
-    if "image" not in item:
+    if "image" not in item and "images" not in item:
         for name in ("mask", "keep_mask"):
             if name in item:
                 raise InputError(f"{where}: \"{name}\" marks a region of a source image; give "
                                  f"the line an \"image\" too")
         return {"prompt": prompt, "metadata": metadata}
-    image = item["image"]
-    if not isinstance(image, str) or not image.strip():
-        raise InputError(f"{where}: \"image\" must be a path string relative to the JSONL file "
-                         f"(got a JSON {_json_kind(image)})")
     record = {"prompt": prompt, "metadata": metadata,
-              "image": load_image(Path(folder or ".") / image, where)}
+              "image": _source_images(item, where, Path(folder or "."))}
     for name in ("mask", "keep_mask"):
         if name not in item:
             continue
@@ -116,6 +117,34 @@ def _jsonl_record(line: str, where: str, folder: Path | None = None) -> dict:
                              f"the image is {tuple(record['image'].shape[-2:])}; give the mask "
                              f"the source image's size")
     return record
+
+
+def _source_images(item: dict, where: str, folder: Path) -> Tensor:
+    """A line's source image: ``"image": "path"``, or ``"images": ["path", ...]`` (one or more,
+    in order; several become one ``SourceImages``, which is the first image and carries all).
+    InputError naming the line and the field: both keys given, a wrong type, an empty list, a
+    missing or unreadable file. How many a model takes is its family's (``check_source_images``)."""
+    if "image" in item and "images" in item:
+        raise InputError(f"{where}: give either \"image\" (one source image) or \"images\" (a "
+                         f"list of them), not both")
+    if "image" in item:
+        image = item["image"]
+        if not isinstance(image, str) or not image.strip():
+            raise InputError(f"{where}: \"image\" must be a path string relative to the JSONL "
+                             f"file (got a JSON {_json_kind(image)})")
+        return load_image(folder / image, where)
+    paths = item["images"]
+    if not isinstance(paths, list) or not paths:
+        got = "an empty array" if isinstance(paths, list) else f"a JSON {_json_kind(paths)}"
+        raise InputError(f"{where}: \"images\" must be a non-empty array of path strings "
+                         f"relative to the JSONL file (got {got})")
+    for index, path in enumerate(paths):
+        if not isinstance(path, str) or not path.strip():
+            raise InputError(f"{where}: \"images\"[{index}] must be a path string relative to "
+                             f"the JSONL file (got a JSON {_json_kind(path)})")
+    images = [load_image(folder / path, f"{where} \"images\"[{index}]")
+              for index, path in enumerate(paths)]
+    return images[0] if len(images) == 1 else SourceImages(images)
 
 
 def _read_pixels(path: Path, mode: str, what: str, where: str, formats: str) -> np.ndarray:
@@ -167,8 +196,9 @@ def _required_masks(records: list[dict], name: str, option: str, instead: str) -
 
 
 def record_images(records: list[dict]) -> list[Tensor] | None:
-    """The records' source images (one (3, H, W) tensor per record), or None when no record has
-    one (text-to-image). Raises ValueError when only some records have one."""
+    """The records' source images (one (3, H, W) tensor per record, a ``SourceImages`` for a
+    record with several), or None when no record has one (text-to-image). Raises ValueError
+    when only some records have one."""
     images = [record.get("image") for record in records]
     if all(image is None for image in images):
         return None

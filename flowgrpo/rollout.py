@@ -27,7 +27,7 @@ from torch import Tensor
 from flowgrpo.plans import StepPlan
 from flowgrpo.seeding import seeded_generator
 from flowgrpo.sde import StepGaussian, dpmpp_2m_step, euler_step, score_step, transition
-from flowgrpo.model import Conditioning, FlowModel, cfg_gradient
+from flowgrpo.model import Conditioning, FlowModel, cfg_gradient, check_source_images
 
 
 @dataclass
@@ -119,6 +119,9 @@ class RolloutSettings:
     # own (``flowgrpo.model.cfg_gradient``) in the replays and, so that a replayed velocity is
     # the rollout's bit for bit, in the rollout's trained calls; untrained steps stay batched.
     cfg_gradient: str = "both"
+    # sampling.reward_guidance (Euphonium): a ``guided_sde.RewardGuidance`` bound to the batch's
+    # prompts, whose ``step_function`` gives each stochastic step its transition; None = unguided.
+    guidance: object | None = None
 
 
 def encode_rows(model: FlowModel, prompts: list[str], images: list[Tensor] | None = None
@@ -136,6 +139,7 @@ def encode_rows(model: FlowModel, prompts: list[str], images: list[Tensor] | Non
             raise ValueError(f"the prompts carry source images but the {model.family} model does "
                              f"not edit images; use an editing model (e.g. toy: assets/toy_edit) "
                              f"or prompts without \"image\"")
+        check_source_images(model, images)   # a one-image family given several refuses them
         keys = [(prompt, id(image)) for prompt, image in zip(prompts, images)]
     unique = list(dict.fromkeys(keys))
     position = {key: i for i, key in enumerate(unique)}
@@ -234,10 +238,13 @@ def run_plan(model: FlowModel, plan: StepPlan, latents: Tensor, cond: Conditioni
                 with cfg_gradient(settings.cfg_gradient if is_trained else "both"):
                     velocity = model.velocity(part(x).to(model.dtype), part(sigma), part_cond,
                                               settings.guidance_scale).to(torch.float32)
-                out = transition(settings.kind, velocity, part(x), part(sigma), part(sigma_next),
-                                 noise_level=settings.noise_level, noise=part(noise),
-                                 validate=False, log_prob=settings.log_prob,
-                                 schedule_bounds=settings.schedule_bounds)
+                step_transition = transition if settings.guidance is None else \
+                    settings.guidance.step_function(i, part(rows))
+                out = step_transition(settings.kind, velocity, part(x), part(sigma),
+                                      part(sigma_next), noise_level=settings.noise_level,
+                                      noise=part(noise), validate=False,
+                                      log_prob=settings.log_prob,
+                                      schedule_bounds=settings.schedule_bounds)
                 if is_trained:
                     replay.append(ReplayBatch(
                         rows=part(rows), step=i, latents=part(x), next_latents=out.prev_sample,
@@ -399,6 +406,8 @@ def sample_ode(model: FlowModel, prompts: list[str], noise: Tensor, num_steps: i
                images: list[Tensor] | None = None) -> Tensor:
     """Deterministic (Euler) samples for evaluation and grids: noise (B, ...) -> media (B, ...).
     ``images``: B source images (3, H, W) for an editing model."""
+    if images is not None:
+        check_source_images(model, images)
     sigmas = model.sigmas(num_steps)
     out = []
     for start in range(0, len(prompts), batch_size):

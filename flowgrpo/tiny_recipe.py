@@ -52,7 +52,7 @@ TINY_CLIP_PROJECTION = 16
 _PLACEMENT_OPTIONS = {"offload_text_encoders": False, "offload_vae": False,
                       "attention_backend": "sdpa", "text_encoder_dtype": None, "vae_dtype": None}
 # Families whose model is replaced by a tiny build (toy is already tiny and CPU-sized).
-_VIDEO_FAMILIES = ("wan",)
+_VIDEO_FAMILIES = ("wan", "wan_i2v")
 
 
 def tiny_root(root: str | os.PathLike | None = None) -> Path:
@@ -66,9 +66,14 @@ def tiny_root(root: str | os.PathLike | None = None) -> Path:
 
 def tiny_build_name(family: str, path: str) -> str:
     """The ``pipelines.tiny`` build of a config's model: the family's, except Wan2.2 checkpoints
-    (two experts), whose family is ``wan`` and whose build is ``wan22``."""
+    (two experts), whose family is ``wan`` / ``wan_i2v`` and whose build is ``wan22`` /
+    ``wan22_i2v``, and Wan2.2-TI2V-5B under ``wan_i2v`` (build ``wan22_ti2v``)."""
     if family == "wan" and "wan2.2" in str(path).lower():
         return "wan22"
+    if family == "wan_i2v" and "wan2.2" in str(path).lower():
+        return "wan22_ti2v" if "ti2v" in str(path).lower() else "wan22_i2v"
+    if family == "flux2" and "flux.2-dev" in str(path).lower():
+        return "flux2_dev"     # FLUX.2-dev (Mistral text, guidance embedding); klein otherwise
     return family
 
 

@@ -25,9 +25,13 @@ MODEL_FAMILIES: dict[str, str] = {
     "sd3": "pipelines.sd3:SD3Model",
     "flux": "pipelines.flux:FluxModel",
     "flux_kontext": "pipelines.flux_kontext:FluxKontextModel",
+    "flux2": "pipelines.flux2:Flux2Model",
     "wan": "pipelines.wan:WanModel",
+    "wan_i2v": "pipelines.wan_i2v:WanI2VModel",
     "qwen_image": "pipelines.qwen_image:QwenImageModel",
     "qwen_image_edit": "pipelines.qwen_image_edit:QwenImageEditModel",
+    "qwen_image_edit_plus": "pipelines.qwen_image_edit_plus:QwenImageEditPlusModel",
+    "z_image": "pipelines.z_image:ZImageModel",
     "toy": "pipelines.toy:ToyFlowModel",
 }
 

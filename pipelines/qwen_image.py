@@ -100,7 +100,7 @@ class QwenImageModel(DiffusersFlowModel):
     def __init__(self, transformer: torch.nn.Module, components: dict, options: QwenImageOptions,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:
         super().__init__(transformer, components, options, QWEN_IMAGE_LORA_TARGET_MODULES, device, dtype)
-        _check_transformer_config(dict(transformer.config))
+        _check_transformer_config(dict(transformer.config), self.supported_transformer_flags)
         self.vae_scale_factor = 2 ** len(self.vae.config.temperal_downsample)
         self.height, self.width = _image_size(options, dict(transformer.config), self.vae_scale_factor)
         self.latent_height = self.height // self.vae_scale_factor
@@ -111,6 +111,8 @@ class QwenImageModel(DiffusersFlowModel):
     # ---------------------------------------------------------------------------- loading
     # What a subclass (Qwen-Image-Edit) adds to the folder check and the components.
     extra_folders: dict[str, str] = {}
+    # Transformer config flags of _UNSUPPORTED_TRANSFORMER_FLAGS whose inputs the subclass gives.
+    supported_transformer_flags: tuple[str, ...] = ()
     wrong_folder_hint = ("this adapter is text-to-image (QwenImagePipeline, e.g. Qwen/Qwen-Image); "
                          "editing and control variants need their own adapters")
 
@@ -129,7 +131,7 @@ class QwenImageModel(DiffusersFlowModel):
                                QwenImageTransformer2DModel)
         from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2Tokenizer
 
-        options = parse_options(QwenImageOptions, options, cls.family)
+        options = parse_options(cls.options_class, options, cls.family)
         require_attention_backend(options.attention_backend)
         check_pipeline_folder(path_or_hub_id, {
             "transformer": "config.json", "vae": "config.json", "scheduler": "scheduler_config.json",
@@ -141,7 +143,7 @@ class QwenImageModel(DiffusersFlowModel):
             raise ValueError(f"{cls.family}: {path_or_hub_id!r} is a {pipeline_name} folder; "
                              f"{cls.wrong_folder_hint}")
         transformer_config = QwenImageTransformer2DModel.load_config(path_or_hub_id, subfolder="transformer")
-        _check_transformer_config(transformer_config)
+        _check_transformer_config(transformer_config, cls.supported_transformer_flags)
         vae_config = AutoencoderKLQwenImage.load_config(path_or_hub_id, subfolder="vae")
         height, width = _image_size(options, transformer_config,
                                       2 ** len(vae_config.get("temperal_downsample", [False, True, True])))
@@ -317,8 +319,9 @@ def _image_size(options: QwenImageOptions, transformer_config: dict, vae_scale_f
     return resolved.height, resolved.width
 
 
-def _check_transformer_config(config: dict) -> None:
-    flags = [name for name in _UNSUPPORTED_TRANSFORMER_FLAGS if config.get(name)]
+def _check_transformer_config(config: dict, supported: tuple[str, ...] = ()) -> None:
+    flags = [name for name in _UNSUPPORTED_TRANSFORMER_FLAGS
+             if config.get(name) and name not in supported]
     if flags:
         raise ValueError(f"qwen_image transformer config sets {flags}: a variant whose forward "
                          "needs inputs text-to-image sampling does not give (guidance embedding, "

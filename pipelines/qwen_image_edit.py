@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from flowgrpo.model import Conditioning, guidance_branches
+from flowgrpo.model import Conditioning, check_source_images, guidance_branches
 from pipelines.flux import pack_latents
 from pipelines.qwen_image import QwenImageModel, _fit_text, _text_length, true_cfg
 
@@ -65,6 +65,7 @@ class QwenImageEditModel(QwenImageModel):
         if images is None or len(images) != len(prompts) or any(i is None for i in images):
             raise ValueError("qwen_image_edit edits images: give one source image per prompt "
                              "(prompt records with an \"image\"; JSONL {\"prompt\", \"image\"})")
+        check_source_images(self, images)     # one image: a prompt with several is refused
         pipe = self.to_pipeline()
         sizes = [calculate_dimensions(SOURCE_AREA, image.shape[-1] / image.shape[-2])[:2]
                  for image in images]
@@ -107,10 +108,19 @@ class QwenImageEditModel(QwenImageModel):
     def velocity(self, latents: Tensor, sigma: Tensor, cond: Conditioning, guidance_scale: float) -> Tensor:
         """Velocity (B, tokens, 64) float32 of the output tokens, the transformer seeing them
         followed by the source's; true CFG as Qwen-Image (both branches see the source)."""
-        batch, tokens = latents.shape[:2]
         if "image_latents" not in cond.positive or "source_shape" not in cond.extra:
             raise ValueError("qwen_image_edit needs the source image: encode the prompts with "
                              "encode_prompts(prompts, images=...)")
+        shapes = [self.img_shapes[0], tuple(int(v) for v in cond.extra["source_shape"])]
+        return self._velocity_with_sources(latents, sigma, cond, guidance_scale, shapes)
+
+    def _velocity_with_sources(self, latents: Tensor, sigma: Tensor, cond: Conditioning,
+                               guidance_scale: float, shapes: list[tuple[int, int, int]]) -> Tensor:
+        """Velocity (B, tokens, 64) float32 of the output tokens (latents (B, tokens, 64)), the
+        transformer seeing [output tokens; ``cond.positive["image_latents"]`` (B, tokens', 64)]
+        with RoPE layout ``shapes`` (the output's (1, H/16, W/16), then each source's; tokens' =
+        the sources' products); true CFG as Qwen-Image. Shared by Qwen-Image-Edit-Plus."""
+        batch, tokens = latents.shape[:2]
         sigma = self._per_sample_sigma(sigma, batch, self.device)
         if cond.batch_size != batch:
             raise ValueError(f"cond has {cond.batch_size} rows but latents has {batch}")
@@ -118,7 +128,6 @@ class QwenImageEditModel(QwenImageModel):
         source = cond.positive["image_latents"].to(self.device, self.dtype)
         hidden = torch.cat([latents.to(self.device, self.dtype), source], dim=1)
         positive = {k: cond.positive[k] for k in ("prompt_embeds", "prompt_embeds_mask")}
-        shapes = [self.img_shapes[0], tuple(int(v) for v in cond.extra["source_shape"])]
 
         def forward(hidden: Tensor, sigma: Tensor, text: dict[str, Tensor]) -> Tensor:
             length = _text_length(text["prompt_embeds_mask"])

@@ -22,7 +22,13 @@ structure that the adapters depend on:
   RoPE) whose width is the transformer's joint_attention_dim, a byte-level BPE tokenizer in which
   the pipeline's prompt template splits into the same 34 leading tokens as Qwen's own tokenizer
   (so the pipeline drops exactly the template), the 8x causal VAE with per-channel latent
-  statistics, and Qwen-Image's dynamic-shift scheduler config (shift_terminal 0.02).
+  statistics, and Qwen-Image's dynamic-shift scheduler config (shift_terminal 0.02);
+- FLUX.2 ("flux2": klein base, "flux2_dev"): the text encoders are deep enough for the layers the
+  pipelines read (Qwen3 27, Mistral 30 layers, width 16), the VAE keeps FLUX.2's batch-norm
+  latent statistics (set away from the identity), dev keeps the guidance embedding;
+- Z-Image ("z_image") keeps a real Qwen3 text encoder (its second-to-last layer is what the
+  pipeline reads) of the transformer's cap_feat_dim, the main layers and both refiners, and
+  Z-Image-Turbo's static-shift-3 scheduler config.
 """
 from __future__ import annotations
 
@@ -31,7 +37,8 @@ import string
 
 import torch
 
-TINY_FAMILIES = ("sd3", "flux", "flux_kontext", "wan", "wan22", "qwen_image")
+TINY_FAMILIES = ("sd3", "flux", "flux_kontext", "wan", "wan22", "qwen_image", "flux2", "flux2_dev",
+                 "wan_i2v", "wan22_i2v", "wan22_ti2v", "z_image", "qwen_image_edit_plus")
 
 # Sizes the tests use with the tiny folders (divisible by 16 = VAE factor 8 x patch size 2).
 TINY_HEIGHT = 32
@@ -287,6 +294,78 @@ def build_tiny_wan22():
                        transformer_2=low_noise, boundary_ratio=WAN22_BOUNDARY_RATIO)
 
 
+# Wan2.2-I2V-A14B's switch (model_index.json boundary_ratio of Wan-AI/Wan2.2-I2V-A14B-Diffusers).
+WAN22_I2V_BOUNDARY_RATIO = 0.9
+
+
+def _tiny_wan_i2v_transformer(umt5_width: int, image_dim: int | None, rope_max_seq_len: int = 32,
+                              in_channels: int = 36):
+    """The tiny Wan transformer in the I2V layout: 36 input channels (latents 16, first-frame
+    mask 4, condition latents 16; TI2V-5B: the 16 latents alone), 16 output channels; with
+    ``image_dim`` (Wan2.1 I2V) the CLIP image projection and the added key/value projections of
+    every cross-attention."""
+    from diffusers import WanTransformer3DModel
+
+    base = {key: value for key, value in _tiny_wan_transformer(umt5_width, rope_max_seq_len).config.items()
+            if not key.startswith("_")}   # diffusers' bookkeeping (_use_default_values) would undo the changes
+    inner_dim = base["num_attention_heads"] * base["attention_head_dim"]
+    return WanTransformer3DModel.from_config({
+        **base, "in_channels": in_channels, "out_channels": 16, "image_dim": image_dim,
+        "added_kv_proj_dim": inner_dim if image_dim is not None else None})
+
+
+def build_tiny_wan_i2v():
+    """WanImageToVideoPipeline with tiny random components in the Wan2.1-I2V layout: the I2V
+    transformer (36 input channels, CLIP image cross-attention), a 2-layer CLIP vision encoder
+    on 32 px crops (its penultimate hidden states feed the transformer) and its image processor,
+    Wan2.1's VAE, text encoder and UniPC flow scheduler."""
+    from diffusers import WanImageToVideoPipeline
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+
+    umt5_width, clip_width = 32, 16
+    transformer = _tiny_wan_i2v_transformer(umt5_width, image_dim=clip_width)
+    image_encoder = CLIPVisionModel(CLIPVisionConfig(
+        hidden_size=clip_width, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        image_size=32, patch_size=8, projection_dim=clip_width))
+    image_processor = CLIPImageProcessor(size={"shortest_edge": 32},
+                                         crop_size={"height": 32, "width": 32})
+    return WanImageToVideoPipeline(**_tiny_wan_components(umt5_width), transformer=transformer,
+                                   image_encoder=image_encoder, image_processor=image_processor)
+
+
+def build_tiny_wan22_i2v():
+    """WanImageToVideoPipeline in the Wan2.2-I2V-A14B layout: two I2V experts (transformer =
+    high noise, transformer_2 = low noise) without CLIP image conditioning, switched at
+    boundary_ratio 0.9, no image encoder; Wan2.1's VAE, text encoder and scheduler."""
+    from diffusers import WanImageToVideoPipeline
+
+    umt5_width = 32
+    high_noise, low_noise = (_tiny_wan_i2v_transformer(umt5_width, image_dim=None),
+                             _tiny_wan_i2v_transformer(umt5_width, image_dim=None))
+    return WanImageToVideoPipeline(**_tiny_wan_components(umt5_width), transformer=high_noise,
+                                   transformer_2=low_noise, boundary_ratio=WAN22_I2V_BOUNDARY_RATIO)
+
+
+def build_tiny_wan22_ti2v():
+    """WanImageToVideoPipeline in the Wan2.2-TI2V-5B layout (``expand_timesteps``): one
+    transformer on the latents alone (the first frame replaced by the condition), the Wan2.2 VAE
+    (residual, pixels patchified 2 x 2 before the encoder: 16x spatial compression, 4x temporal;
+    16 latent channels here, 48 in the release), no image encoder, a UniPC flow scheduler with
+    TI2V-5B's flow_shift 5.0. Heights and widths are multiples of 16 x patch 2 = 32."""
+    from diffusers import AutoencoderKLWan, WanImageToVideoPipeline
+
+    umt5_width = 32
+    transformer = _tiny_wan_i2v_transformer(umt5_width, image_dim=None, in_channels=16)
+    components = _tiny_wan_components(umt5_width)
+    components["vae"] = AutoencoderKLWan(
+        base_dim=4, decoder_base_dim=4, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+        temperal_downsample=[False, True, True], is_residual=True, in_channels=12,
+        out_channels=12, patch_size=2, scale_factor_spatial=16)
+    components["scheduler"] = type(components["scheduler"]).from_config(
+        components["scheduler"].config, flow_shift=5.0)
+    return WanImageToVideoPipeline(**components, transformer=transformer, expand_timesteps=True)
+
+
 # Qwen-Image's prompt template splits into these words with Qwen's tokenizer; giving the tiny BPE
 # one token per word reproduces its 34-token template prefix (QwenImagePipeline drops it by count).
 _QWEN_TEMPLATE_WORDS = ("system", "user", "Describe") + tuple(
@@ -393,6 +472,15 @@ def build_tiny_qwen_image_edit():
                                  **base.components)
 
 
+def build_tiny_qwen_image_edit_plus():
+    """QwenImageEditPlusPipeline (Qwen-Image-Edit-2509's layout: several source images) with
+    the tiny Qwen-Image-Edit components; Qwen-Image-Edit-2511 is the same folder with the
+    transformer config's ``zero_cond_t`` set (no extra weights)."""
+    from diffusers import QwenImageEditPlusPipeline
+
+    return QwenImageEditPlusPipeline(**build_tiny_qwen_image_edit().components)
+
+
 def build_tiny_flux_kontext():
     """FluxKontextPipeline with the tiny FLUX.1 components (Kontext has FLUX.1-dev's layout)."""
     from diffusers import FluxKontextPipeline
@@ -402,9 +490,167 @@ def build_tiny_flux_kontext():
                                   if k not in ("image_encoder", "feature_extractor")})
 
 
+# Qwen3's chat template, reduced to what Flux2KleinPipeline sends (one user turn, the generation
+# prompt, thinking switched off: Qwen3's empty think block).
+QWEN3_CHAT_TEMPLATE = (
+    "{%- for message in messages %}<|im_start|>{{ message.role }}\n{{ message.content }}"
+    "<|im_end|>\n{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n"
+    "{%- if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+    "{%- endif %}{%- endif %}")
+# Flux2KleinPipeline reads the hidden states after Qwen3 layers 9, 18 and 27.
+FLUX2_KLEIN_TEXT_LAYERS = 27
+
+
+def build_tiny_flux2():
+    """Flux2KleinPipeline with tiny random components (FLUX.2-klein-base layout: no guidance
+    embedding, is_distilled false so CFG runs; a 27-layer Qwen3 of width 16, so that the
+    pipeline's layers 9/18/27 exist, feeding 3 x 16 = joint_attention_dim; the 8x FLUX.2 VAE with
+    batch-norm statistics; FLUX.2's dynamic-shift scheduler config)."""
+    from diffusers import (AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline,
+                           Flux2Transformer2DModel)
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    text_width, latent_channels = 16, 8
+    tokenizer = tiny_qwen2_tokenizer(model_max_length=512)
+    tokenizer.chat_template = QWEN3_CHAT_TEMPLATE
+    pad = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    text_encoder = Qwen3ForCausalLM(Qwen3Config(
+        vocab_size=len(tokenizer), hidden_size=text_width, intermediate_size=2 * text_width,
+        num_hidden_layers=FLUX2_KLEIN_TEXT_LAYERS, num_attention_heads=2, num_key_value_heads=1,
+        head_dim=8, max_position_embeddings=512, tie_word_embeddings=True,
+        bos_token_id=pad, eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=pad)).eval()
+    transformer = Flux2Transformer2DModel(
+        patch_size=1, in_channels=4 * latent_channels, num_layers=1, num_single_layers=2,
+        attention_head_dim=16, num_attention_heads=2, joint_attention_dim=3 * text_width,
+        timestep_guidance_channels=32, axes_dims_rope=(4, 4, 4, 4), guidance_embeds=False)
+    vae = AutoencoderKLFlux2(block_out_channels=(8, 8, 16, 16), layers_per_block=1,
+                             latent_channels=latent_channels, norm_num_groups=4,
+                             sample_size=TINY_HEIGHT)
+    with torch.no_grad():   # batch-norm statistics that are not the identity
+        vae.bn.running_mean.uniform_(-0.5, 0.5)
+        vae.bn.running_var.uniform_(0.5, 2.0)
+    # FLUX.2's scheduler config (dynamic shifting with mu given by the pipeline).
+    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0,
+                                                use_dynamic_shifting=True, time_shift_type="exponential")
+    return Flux2KleinPipeline(scheduler=scheduler, vae=vae, text_encoder=text_encoder,
+                              tokenizer=tokenizer, transformer=transformer, is_distilled=False)
+
+
+def build_tiny_z_image():
+    """ZImagePipeline with tiny random components (Z-Image layout: 16 latent channels patchified
+    2x2 by the transformer, main layers and both refiners, 3-axis RoPE; a Qwen3 text encoder of
+    the transformer's cap_feat_dim, whose second-to-last hidden states the pipeline reads; the
+    tiny Qwen2 tokenizer with Qwen3's chat template; FLUX.1's VAE layout and factors;
+    Z-Image-Turbo's scheduler config)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
+    from transformers import Qwen3Config, Qwen3Model
+
+    text_width = 32
+    tokenizer = tiny_qwen2_tokenizer()
+    tokenizer.chat_template = QWEN3_CHAT_TEMPLATE
+    pad = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    text_encoder = Qwen3Model(Qwen3Config(
+        vocab_size=len(tokenizer), hidden_size=text_width, intermediate_size=2 * text_width,
+        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+        max_position_embeddings=tokenizer.model_max_length, bos_token_id=pad,
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"), pad_token_id=pad)).eval()
+    transformer = ZImageTransformer2DModel(
+        all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=32, n_layers=2,
+        n_refiner_layers=1, n_heads=2, n_kv_heads=2, cap_feat_dim=text_width,
+        axes_dims=[4, 6, 6])   # sums to the head width 16, as (32, 48, 48) sums to 128
+    # Tongyi-MAI/Z-Image-Turbo's scheduler/scheduler_config.json (as published in third-party
+    # copies of it): a static shift of 3, no dynamic shifting.
+    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0,
+                                                use_dynamic_shifting=False)
+    return ZImagePipeline(scheduler=scheduler, vae=_image_vae(16, 0.3611, 0.1159),
+                          text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer)
+
+
+_MISTRAL_SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<pad>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]",
+                           "[/SYSTEM_PROMPT]", "[IMG]", "[IMG_BREAK]", "[IMG_END]")
+# Mistral-Small-3's chat template, reduced to what Flux2Pipeline sends: a system turn and user
+# turns whose content is a list of text (and image) blocks.
+MISTRAL3_CHAT_TEMPLATE = (
+    "{{- bos_token }}{%- for message in messages %}"
+    "{%- if message['role'] == 'system' %}[SYSTEM_PROMPT]{%- else %}[INST]{%- endif %}"
+    "{%- for block in message['content'] %}{%- if block['type'] == 'text' %}{{ block['text'] }}"
+    "{%- else %}[IMG]{%- endif %}{%- endfor %}"
+    "{%- if message['role'] == 'system' %}[/SYSTEM_PROMPT]{%- else %}[/INST]{%- endif %}"
+    "{%- endfor %}")
+# Flux2Pipeline reads the hidden states after Mistral layers 10, 20 and 30.
+FLUX2_DEV_TEXT_LAYERS = 30
+
+
+def tiny_mistral3_processor(model_max_length: int = 512):
+    """PixtralProcessor over a byte-level BPE tokenizer (every byte a token, one merged token per
+    word of FLUX.2's system message so that it stays short) with Mistral's special tokens, and a
+    small Pixtral image processor."""
+    from diffusers.pipelines.flux2.system_messages import SYSTEM_MESSAGE
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PixtralImageProcessor, PixtralProcessor, PreTrainedTokenizerFast
+
+    vocab: dict[str, int] = {token: i for i, token in enumerate(_MISTRAL_SPECIAL_TOKENS)}
+    for character in _byte_to_unicode().values():
+        vocab[character] = len(vocab)
+    byte_of = _byte_to_unicode()
+    merges: list[tuple[str, str]] = []
+    for word in sorted(set(SYSTEM_MESSAGE.split())):
+        word = "".join(byte_of[b] for b in (" " + word).encode())
+        for end in range(2, len(word) + 1):
+            if word[:end] not in vocab:
+                vocab[word[:end]] = len(vocab)
+                merges.append((word[:end - 1], word[end - 1]))
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+        pad_token="<pad>", additional_special_tokens=list(_MISTRAL_SPECIAL_TOKENS[4:]),
+        model_max_length=model_max_length)
+    image_processor = PixtralImageProcessor(size={"longest_edge": 64}, patch_size={"height": 16, "width": 16})
+    return PixtralProcessor(image_processor=image_processor, tokenizer=tokenizer, patch_size=16,
+                            spatial_merge_size=2, chat_template=MISTRAL3_CHAT_TEMPLATE)
+
+
+def build_tiny_flux2_dev():
+    """Flux2Pipeline with tiny random components (FLUX.2-dev layout: guidance embedding on; a
+    Mistral3ForConditionalGeneration with a 30-layer language model of width 16, so that the
+    pipeline's layers 10/20/30 exist, and a one-layer Pixtral vision tower; the FLUX.2 klein
+    build's VAE, scheduler and transformer shape)."""
+    from diffusers import Flux2Pipeline, Flux2Transformer2DModel
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+
+    text_width = 16
+    klein = build_tiny_flux2()
+    processor = tiny_mistral3_processor()
+    tokenizer = processor.tokenizer
+    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in _MISTRAL_SPECIAL_TOKENS}
+    text_encoder = Mistral3ForConditionalGeneration(Mistral3Config(
+        text_config={"model_type": "mistral", "vocab_size": len(tokenizer), "hidden_size": text_width,
+                     "intermediate_size": 2 * text_width, "num_hidden_layers": FLUX2_DEV_TEXT_LAYERS,
+                     "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 8,
+                     "max_position_embeddings": 512, "bos_token_id": ids["<s>"],
+                     "eos_token_id": ids["</s>"], "pad_token_id": ids["<pad>"]},
+        vision_config={"model_type": "pixtral", "hidden_size": 16, "intermediate_size": 32,
+                       "num_hidden_layers": 1, "num_attention_heads": 2, "head_dim": 8,
+                       "image_size": 64, "patch_size": 16},
+        image_token_index=ids["[IMG]"], spatial_merge_size=2)).eval()
+    config = dict(klein.transformer.config)
+    transformer = Flux2Transformer2DModel(**{**{k: v for k, v in config.items() if not k.startswith("_")},
+                                             "guidance_embeds": True})
+    return Flux2Pipeline(scheduler=klein.scheduler, vae=klein.vae, text_encoder=text_encoder,
+                         tokenizer=processor, transformer=transformer)
+
+
 _BUILDERS = {"sd3": build_tiny_sd3, "flux": build_tiny_flux, "wan": build_tiny_wan,
              "wan22": build_tiny_wan22, "qwen_image": build_tiny_qwen_image,
-             "flux_kontext": build_tiny_flux_kontext, "qwen_image_edit": build_tiny_qwen_image_edit}
+             "flux_kontext": build_tiny_flux_kontext, "qwen_image_edit": build_tiny_qwen_image_edit,
+             "qwen_image_edit_plus": build_tiny_qwen_image_edit_plus,
+             "flux2": build_tiny_flux2, "flux2_dev": build_tiny_flux2_dev,
+             "wan_i2v": build_tiny_wan_i2v, "wan22_i2v": build_tiny_wan22_i2v,
+             "wan22_ti2v": build_tiny_wan22_ti2v,
+             "z_image": build_tiny_z_image}
 
 
 def build_tiny(family: str, seed: int = 0, transformer_size: tuple[int, int] | None = None):

@@ -37,10 +37,17 @@ def _tiny_build(family: str):
 
 tiny_flux_dir = _tiny_build("flux")
 tiny_flux_kontext_dir = _tiny_build("flux_kontext")
+tiny_flux2_dir = _tiny_build("flux2")       # FLUX.2-klein base (real CFG)
+tiny_flux2_dev_dir = _tiny_build("flux2_dev")   # FLUX.2-dev (guidance embedding)
 tiny_qwen_image_dir = _tiny_build("qwen_image")
 tiny_qwen_image_edit_dir = _tiny_build("qwen_image_edit")
+tiny_qwen_image_edit_plus_dir = _tiny_build("qwen_image_edit_plus")   # 2509 layout (2511: zero_cond_t)
 tiny_wan_dir = _tiny_build("wan")
 tiny_wan22_dir = _tiny_build("wan22")   # Wan2.2's two experts (boundary_ratio 0.875)
+tiny_wan_i2v_dir = _tiny_build("wan_i2v")   # Wan2.1 I2V: CLIP image encoder
+tiny_wan22_i2v_dir = _tiny_build("wan22_i2v")   # Wan2.2-I2V-A14B: two experts (boundary 0.9)
+tiny_wan22_ti2v_dir = _tiny_build("wan22_ti2v")   # Wan2.2-TI2V-5B: expand_timesteps, Wan2.2 VAE
+tiny_z_image_dir = _tiny_build("z_image")   # Z-Image(-Turbo): Qwen3 text, Turbo's shift-3 scheduler
 
 
 @pytest.fixture(scope="session")

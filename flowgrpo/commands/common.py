@@ -24,10 +24,14 @@ from reward_models.loading import resolve_reward_class
 
 # family -> (steps, guidance) of the deterministic sampler when the flags are not given: the
 # evaluation settings of Flow-GRPO (SD3.5: 40 steps, CFG 4.5; FLUX.1: 28 steps, guidance
-# embedding 3.5) and Wan2.1's stock pipeline (50 steps, CFG 5). The toy model reads its own
-# defaults (``toy_config.json``).
-SAMPLING_DEFAULTS: dict[str, tuple[int, float]] = {"sd3": (40, 4.5), "flux": (28, 3.5),
-                                                   "flux_kontext": (28, 3.5), "wan": (50, 5.0)}
+# embedding 3.5), else the stock diffusers pipeline's ``__call__`` defaults in this toolkit's CFG
+# convention v_neg + g (v_pos - v_neg) (Z-Image's pipeline scale s is g = s + 1; distilled
+# FLUX.2-klein checkpoints ignore the scale, as their pipeline does). The toy model reads its
+# own defaults (``toy_config.json``).
+SAMPLING_DEFAULTS: dict[str, tuple[int, float]] = {
+    "sd3": (40, 4.5), "flux": (28, 3.5), "flux_kontext": (28, 3.5), "wan": (50, 5.0),
+    "wan_i2v": (50, 5.0), "qwen_image": (50, 4.0), "qwen_image_edit": (50, 4.0),
+    "qwen_image_edit_plus": (50, 4.0), "z_image": (50, 6.0), "flux2": (50, 4.0)}
 FALLBACK_SAMPLING = (20, 1.0)   # a family not listed and without its own defaults
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
 
