@@ -60,10 +60,11 @@ if importlib.util.find_spec("flowgrpo") is None:   # run from a checkout that is
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from flowgrpo.config_algorithms import (AWMConfig, DGPOConfig, DPOConfig,  # noqa: E402 (after the path set-up)
-                                        NFTConfig, TimestepsConfig)
+                                        GDROConfig, NFTConfig, TimestepsConfig)
+from flowgrpo.guided_sde import RewardGuidanceConfig  # noqa: E402
 
 _ALGORITHM_SECTIONS = {"timesteps": TimestepsConfig, "nft": NFTConfig, "awm": AWMConfig,
-                       "dgpo": DGPOConfig, "dpo": DPOConfig}
+                       "dgpo": DGPOConfig, "dpo": DPOConfig, "gdro": GDROConfig}
 
 ROOT = Path(__file__).resolve().parents[1]
 ACCURACY_KEY = "eval/geneval_toy.exact/family_mean"
@@ -88,6 +89,11 @@ FIELDS_ADDED_SINCE_RESULTS: dict[tuple[str, ...], object] = {
     ("training", "constant_reward_iterations"): 5,
     ("run", "save_on_signal"): ["SIGTERM", "SIGUSR1", "SIGINT"],
     ("training", "cfg_gradient"): "both",   # every earlier run backpropagated both CFG branches
+    # Euphonium's reward-guided rollouts (flowgrpo/guided_sde.py): every earlier run unguided
+    ("sampling", "reward_guidance"): asdict(RewardGuidanceConfig()),
+    # E-GRPO's merge plan (sampling.plan.kind: merge); inert for every other kind
+    ("sampling", "plan", "merge_at"): [1],
+    ("sampling", "plan", "merge_counts"): None,
 }
 # A ratio of two held-out gains is reported only when both reach one point: below that the
 # ratio is evaluation noise (a baseline at +0.000 once gave a ratio of 2e7).
@@ -127,6 +133,9 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            calibrated=False, editable=False),
     Method("default_cgpo", "Default + CGPO curriculum", "configs/toy_methods/default_cgpo.yaml",
            (0.7, 1.0), calibrated=False),
+    # Pref-GRPO: the default with the group win rate as its reward, on the default's schedule
+    Method("pref_grpo", "Pref-GRPO (win rate)", "configs/toy_methods/pref_grpo.yaml", (0.7, 1.0),
+           calibrated=False),
     Method("flow_grpo", "Flow-GRPO", "configs/toy_methods/flow_grpo.yaml", (0.7, 0.4)),
     Method("flow_grpo_guard", "Flow-GRPO + GRPO-Guard", "configs/toy_methods/flow_grpo_guard.yaml",
            (0.7, 0.4)),
@@ -140,10 +149,14 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("flow_grpo_fast_cps", "Flow-GRPO-Fast (CPS)",
            "configs/toy_methods/flow_grpo_fast_cps.yaml", (0.8, 0.5)),
     Method("flash_grpo", "Flash-GRPO", "configs/toy_methods/flash_grpo.yaml", (1.0, 2.0)),
+    Method("e_grpo", "E-GRPO", "configs/toy_methods/e_grpo.yaml", (0.7, 1.0)),
     Method("nft", "DiffusionNFT", "configs/toy_methods/nft.yaml", (0.7,)),
     Method("awm", "AWM", "configs/toy_methods/awm.yaml", (0.7,)),
     Method("dgpo", "DGPO", "configs/toy_methods/dgpo.yaml", (0.7,)),
     Method("dpo", "Diffusion-DPO (online)", "configs/toy_methods/dpo.yaml", (0.7,)),
+    Method("euphonium", "Euphonium (reward-guided rollouts)", "configs/toy_methods/euphonium.yaml",
+           (0.7, 0.4)),
+    Method("gdro", "GDRO", "configs/toy_methods/gdro.yaml", (0.7,)),
 )}
 
 # CI-sized runs: a tiny batch and evaluation (2 per family = 12 samples, 8 Euler steps).

@@ -481,7 +481,7 @@ def _check_algorithm(config: TrainConfig, num_processes: int) -> None:
             raise ConfigError("sampling.plan.kind 'ode' has no SDE step to train, and "
                               "training.algorithm 'grpo' trains SDE steps: use a plan with SDE "
                               "steps (full, window, branch, one_step) or a sample-based "
-                              "algorithm (nft, awm, dgpo, dpo)")
+                              "algorithm (nft, awm, dgpo, dpo, gdro)")
         return
     if config.policy != "flow":
         raise ConfigError(f"training.algorithm {t.algorithm!r} trains flow-matching models; "
@@ -492,7 +492,7 @@ def _check_algorithm(config: TrainConfig, num_processes: int) -> None:
                           "from one noise), so no group has reward variance: set "
                           "sampling.share_initial_noise: false")
     per_process = t.prompts_per_iteration * t.group_size // num_processes
-    if t.algorithm in ("dgpo", "dpo") and per_process % t.group_size:
+    if t.algorithm in ("dgpo", "dpo", "gdro") and per_process % t.group_size:
         raise ConfigError(f"training.algorithm {t.algorithm!r} compares the samples of a group "
                           f"with each other, so each process must hold whole groups: "
                           f"{per_process} samples per process is not a multiple of "

@@ -1,6 +1,6 @@
 """The ``training`` sub-sections of the algorithms that train on final samples (DiffusionNFT,
-AWM, DGPO, Diffusion-DPO; ``flowgrpo/algorithms/``): typed fields with their help texts and their
-own rules. ``training.algorithm`` picks the algorithm; only its section is read."""
+AWM, DGPO, Diffusion-DPO, GDRO; ``flowgrpo/algorithms/``): typed fields with their help texts
+and their own rules. ``training.algorithm`` picks the algorithm; only its section is read."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -8,11 +8,11 @@ from typing import Any
 
 from flowgrpo.checks import Section, choice, config_field, in_range, positive
 from flowgrpo.errors import ConfigError
-from flowgrpo.matching_losses import AWM_WEIGHTINGS
+from flowgrpo.matching_losses import AWM_WEIGHTINGS, GDRO_LOSSES
 
 # training.algorithm -> what it trains on; the registry (flowgrpo/algorithms/__init__.py) maps
 # the names to their classes.
-ALGORITHM_NAMES = ("grpo", "nft", "awm", "dgpo", "dpo")
+ALGORITHM_NAMES = ("grpo", "nft", "awm", "dgpo", "dpo", "gdro")
 TIMESTEP_SAMPLINGS = ("discrete", "uniform", "logit_normal")
 
 
@@ -130,6 +130,47 @@ class DPOConfig(Section):
     beta: float = config_field(
         "Diffusion-DPO's beta in -log sigmoid(-beta / 2 [(e_w - e_ref_w) - (e_l - e_ref_l)]). "
         "Flow-Factory's SD3.5 example: 100.", default=100.0)
+    pairs_file: str | None = config_field(
+        "Offline preference pairs: a JSONL file, one {\"prompt\": ..., \"chosen\": image path, "
+        "\"rejected\": image path} object a line (paths relative to the file), VAE-encoded by "
+        "the model (a family with encode_images: toy) and trained with the online pairs' loss. "
+        "null: online pairs only.", default=None)
+    pairs_per_iteration: int = config_field(
+        "Offline pairs trained per iteration over all processes, drawn from pairs_file in a "
+        "shuffled order per pass over the file (by run.seed: the same pairs in the same order on "
+        "any process count and on a resume).", default=8)
+    online: bool = config_field(
+        "Also train each rollout group's best/worst pair; false with a pairs_file: offline pairs "
+        "only (the rollouts still run, for the logged rewards).", default=True)
 
     def validate(self) -> None:
         positive(self.beta, "training.dpo.beta")
+        positive(self.pairs_per_iteration, "training.dpo.pairs_per_iteration")
+        if self.pairs_file is not None and (not isinstance(self.pairs_file, str)
+                                            or not self.pairs_file.strip()):
+            raise ConfigError(f"training.dpo.pairs_file must be a path to a JSONL file of "
+                              f"preference pairs, or null (got {self.pairs_file!r})")
+        if not self.online and self.pairs_file is None:
+            raise ConfigError("training.dpo.online is false but training.dpo.pairs_file is "
+                              "null: there is nothing to train; give a pairs_file or set online: "
+                              "true")
+
+
+@dataclass
+class GDROConfig(Section):
+    beta: float = config_field(
+        "GDRO's beta in the implicit reward s_i = -beta (e_i - e_ref_i) of each group member "
+        "(e the flow-matching error at a level and noise the group shares).", default=100.0)
+    tau: float = config_field(
+        "Temperature of the target distribution softmax(r / tau) over a group's rewards "
+        "(loss: cross_entropy); small: the best members take all the mass.", default=0.25)
+    loss: str = config_field(
+        "'cross_entropy' (-sum_i softmax(r / tau)_i log softmax(s)_i over a group) or "
+        "'plackett_luce' (the listwise likelihood of the group's ranking by reward, "
+        "-sum_k log softmax over the members not yet ranked; uses only the order).",
+        default="cross_entropy")
+
+    def validate(self) -> None:
+        positive(self.beta, "training.gdro.beta")
+        positive(self.tau, "training.gdro.tau")
+        choice(self.loss, GDRO_LOSSES, "training.gdro.loss")

@@ -17,16 +17,18 @@ from typing import Any
 from flowgrpo.advantages import REWARD_AGGREGATIONS, SCALES
 from flowgrpo.checks import Section, choice, config_field, in_range, is_number, positive
 from flowgrpo.config_algorithms import (ALGORITHM_NAMES, TIMESTEP_SAMPLINGS, AWMConfig,
-                                        DGPOConfig, DPOConfig, NFTConfig, TimestepsConfig)
+                                        DGPOConfig, DPOConfig, GDROConfig, NFTConfig,
+                                        TimestepsConfig)
 from flowgrpo.dtypes import DTYPE_NAMES
 from flowgrpo.edit_regions import REGION_RESIZES
 from flowgrpo.ema import EMA_WARMUPS
 from flowgrpo.errors import ConfigError
 from flowgrpo.interrupts import STOP_SIGNALS
-from flowgrpo.matching_losses import AWM_WEIGHTINGS
+from flowgrpo.matching_losses import AWM_WEIGHTINGS, GDRO_LOSSES
 from flowgrpo.model import CFG_GRADIENTS
 from flowgrpo.losses import KL_CONVENTIONS
 from flowgrpo.token_losses import TOKEN_AGGREGATIONS, TOKEN_LEVELS
+from flowgrpo.guided_sde import GUIDANCE_FORMS, LOG_PROB_MEANS, RewardGuidanceConfig
 from flowgrpo.plans import PLAN_KINDS, TRAIN_SELECTS, WINDOW_ENDS, WINDOW_STRATEGIES, PlanConfig
 from flowgrpo.prompts import PROMPT_SUFFIXES
 from flowgrpo.sde import KINDS, LOG_PROBS, ODE_SOLVERS
@@ -55,8 +57,11 @@ FIELD_CHOICES: dict[str, tuple[str, ...]] = {
     "sampling.plan.train_select": TRAIN_SELECTS,
     "sampling.plan.window_strategy": WINDOW_STRATEGIES, "sampling.plan.window_end": WINDOW_ENDS,
     "sampling.plan.solver_after": ODE_SOLVERS,
+    "sampling.reward_guidance.form": GUIDANCE_FORMS,
+    "sampling.reward_guidance.log_prob_mean": LOG_PROB_MEANS,
     "training.algorithm": ALGORITHM_NAMES, "training.timesteps.sampling": TIMESTEP_SAMPLINGS,
     "training.awm.weighting": AWM_WEIGHTINGS, "training.dgpo.reference": ("base", "old"),
+    "training.gdro.loss": GDRO_LOSSES,
     "training.lr_decay": LR_DECAYS, "training.kl_convention": tuple(KL_CONVENTIONS),
     "training.adv_scale": tuple(SCALES), "training.dt_reweight_norm": DT_REWEIGHT_NORMS,
     "training.loss_scale": LOSS_SCALES, "training.mixed_precision": MIXED_PRECISIONS,
@@ -259,8 +264,12 @@ class SamplingConfig(Section):
         "ratio is exactly 1. A multiple of group_size lets zero-variance groups be skipped.",
         default=8)
     plan: PlanConfig = config_field(
-        "Which steps are stochastic and trained (full/window/branch/one_step).",
+        "Which steps are stochastic and trained (full/window/branch/one_step/merge).",
         default_factory=PlanConfig)
+    reward_guidance: RewardGuidanceConfig = config_field(
+        "Euphonium: steer the stochastic steps along a differentiable reward's gradient "
+        "(flowgrpo/guided_sde.py); off unless reward is named.",
+        default_factory=RewardGuidanceConfig)
 
     def validate(self) -> None:
         """The plan is validated where it applies (policy: flow), with ``num_steps``."""
@@ -281,6 +290,10 @@ class SamplingConfig(Section):
                  low_open=True,
                  meaning=" (the first unshifted point of sigma_schedule: shifted_linear)")
         positive(self.rollout_batch_size, "sampling.rollout_batch_size")
+        if self.plan.kind == "merge" and not self.share_initial_noise:
+            raise ConfigError("sampling.plan.kind 'merge' (E-GRPO) branches a group at its merged "
+                              "step from one shared deterministic prefix, so the group must share "
+                              "its initial noise: set sampling.share_initial_noise: true")
 
 
 @dataclass
@@ -520,7 +533,9 @@ class TrainingConfig(Section):
         "clipped policy gradient on the exact log-probs of SDE transitions: Flow-GRPO, "
         "DanceGRPO, MixGRPO, GRPO-Guard, Flash-GRPO), or on final samples re-noised by the "
         "forward process: 'nft' (DiffusionNFT), 'awm' (advantage weighted matching), 'dgpo' "
-        "(direct group preference), 'dpo' (Diffusion-DPO on each group's best/worst pair). "
+        "(direct group preference), 'dpo' (Diffusion-DPO on each group's best/worst pair, "
+        "and offline pairs from training.dpo.pairs_file), 'gdro' (GDRO: a listwise loss of "
+        "each group's implicit rewards against its rewards). "
         "The sample-based ones roll out with any solver (sampling.plan.kind: ode) and keep no "
         "transitions.", default="grpo")
     prompts_per_iteration: int = config_field(
@@ -668,6 +683,9 @@ class TrainingConfig(Section):
     dgpo: DGPOConfig = config_field("DGPO (training.algorithm: dgpo).", default_factory=DGPOConfig)
     dpo: DPOConfig = config_field(
         "Diffusion-DPO (training.algorithm: dpo).", default_factory=DPOConfig)
+    gdro: GDROConfig = config_field(
+        "GDRO, group-level direct reward optimization (training.algorithm: gdro).",
+        default_factory=GDROConfig)
 
     def validate(self) -> None:
         choice(self.algorithm, ALGORITHM_NAMES, "training.algorithm")
@@ -730,6 +748,7 @@ class TrainingConfig(Section):
         self.awm.validate()
         self.dgpo.validate()
         self.dpo.validate()
+        self.gdro.validate()
         if self.algorithm != "grpo":
             self._sample_algorithm_rules()
 

@@ -36,18 +36,22 @@ def rollout_chunks_per_process(config: TrainConfig, num_processes: int) -> int:
 def replay_batches_per_process(config: TrainConfig, num_processes: int) -> int:
     """Replay batches of one inner epoch on each process, before zero-variance groups are
     skipped: rollout chunks times the trained steps of a trajectory; for the sample-based
-    algorithms, chunks of rollout_batch_size rows (whole groups for dgpo, pairs for dpo: at
-    most one per group) times ``training.timesteps.count``."""
+    algorithms, chunks of rollout_batch_size rows (whole groups for dgpo and gdro, pairs for dpo:
+    at most one per group, plus training.dpo.pairs_file's) times ``training.timesteps.count``."""
     s, t = config.sampling, config.training
     if t.algorithm == "grpo":
         return rollout_chunks_per_process(config, num_processes) * \
             replay_steps_per_chunk(s.plan, s.num_steps)
     rows = t.prompts_per_iteration * t.group_size // num_processes
     size = max(1, s.rollout_batch_size)
-    if t.algorithm == "dgpo":
+    if t.algorithm in ("dgpo", "gdro"):
         chunks = math.ceil((rows // t.group_size) / max(1, size // t.group_size))
     elif t.algorithm == "dpo":
-        chunks = math.ceil((rows // t.group_size) / max(1, size // 2))
+        pairs_size = max(1, size // 2)
+        chunks = math.ceil((rows // t.group_size) / pairs_size) if t.dpo.online else 0
+        if t.dpo.pairs_file is not None:   # offline pairs: position j goes to process j mod P
+            chunks += math.ceil(math.ceil(t.dpo.pairs_per_iteration / num_processes)
+                                / pairs_size)
     else:
         chunks = math.ceil(rows / size)
     return chunks * t.timesteps.count

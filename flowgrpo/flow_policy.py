@@ -26,11 +26,13 @@ from flowgrpo.errors import ConfigError
 from flowgrpo.flow_batches import accumulation_steps, ema_updates_per_step, rollout_sigmas
 from flowgrpo.flow_evaluation import FlowEvaluation
 from flowgrpo.guards import check_gate_keys, check_guard_keys, loaded_reward_keys
+from flowgrpo.guided_sde import check_guidance_reward, load_guidance
 from flowgrpo.heldout import load_eval_rewards
 from flowgrpo.losses import flow_kl
 from flowgrpo.model import cfg_gradient
 from flowgrpo.plans import make_plan, sample_trained_steps
 from flowgrpo.policy import Through, float32_trainable, frozen_reference, swapped_attribute
+from flowgrpo.preference_pairs import check_pairs_config
 from flowgrpo.prompts import (record_images, record_keep_masks, record_masks,
                               reward_metadata)
 from flowgrpo.rollout import RolloutBatch, RolloutSettings, encode_rows, replay_logp, rollout
@@ -39,6 +41,8 @@ from pipelines import check_model_config, load_model, model_class
 from pipelines import check_model_source as check_family_source
 from reward_models import (MultiReward, available_rewards, check_reward_names,
                            declared_components, load_reward)
+from reward_models.group import check_group_rewards, check_whole_groups
+from reward_models.loading import resolve_reward_class
 
 
 # The key under which the rollout reports the KL of training.kl_reward (reward/<key>/mean).
@@ -76,8 +80,10 @@ class FlowPolicy(FlowEvaluation):
         known = available_rewards()
         check_reward_names(config.rewards.components, "rewards.components", known)
         check_reward_names(config.eval.rewards, "eval.rewards", known)
+        check_group_rewards(config, known)
         check_gate_keys(config, reward_output_keys(config, declared_components))
         check_locality_keys(config, reward_output_keys(config, declared_components))
+        check_guidance_reward(config, resolve_reward_class)
         family = config.model.family
         if (config.training.locality.keep_source_beta > 0
                 and not hasattr(model_class(family), "encode_images")):
@@ -85,6 +91,10 @@ class FlowPolicy(FlowEvaluation):
                               f"the source images (an adapter with encode_images: toy, "
                               f"flux_kontext); the {family} adapter has none: set "
                               f"keep_source_beta to 0")
+        # training.dpo.pairs_file: VAE-encoded by the family (a class-level supports_images is
+        # an editing family; the toy's is per build, checked when the model loads)
+        check_pairs_config(config, hasattr(model_class(family), "encode_images"),
+                           getattr(model_class(family), "supports_images", False) is True)
 
     @staticmethod
     def check_model_source(config: TrainConfig) -> None:
@@ -96,6 +106,9 @@ class FlowPolicy(FlowEvaluation):
         self.accelerator = accelerator
         # Cheap things first: a bad reward name fails before the model loads.
         self.reward = load_rewards(config, accelerator.device)
+        t = config.training
+        check_whole_groups(self.reward, t.prompts_per_iteration * t.group_size
+                           // accelerator.num_processes, t.group_size, accelerator.num_processes)
         check_guard_keys(config, self.reward)
         check_locality_keys(config, loaded_reward_keys(self.reward))
         locality = config.training.locality
@@ -123,6 +136,8 @@ class FlowPolicy(FlowEvaluation):
                               f"latents (region_mask), which the {model.family} adapter does not "
                               f"implement; set training.locality.mask: off")
         self.module: nn.Module = model.transformer
+        # sampling.reward_guidance (Euphonium): its differentiable reward, loaded once
+        self.guidance = load_guidance(config, model, accelerator.device, load_reward)
         self.trainable = self._setup_trainable(model.lora_target_modules)
         self.reference_module = frozen_reference(config, self.module)
         # LoRA's reference after a refresh (training.gardo): a snapshot of the adapter weights,
@@ -299,12 +314,16 @@ class FlowPolicy(FlowEvaluation):
         futures: list[tuple[Tensor, Future]] = []
         reward_seconds: list[float] = []
         executor = ThreadPoolExecutor(max_workers=1) if self.config.rewards.threaded else None
+        # A groupwise reward compares the members of a group, which the rollout's chunks may
+        # split: it scores the whole local batch (whole groups, check_whole_groups) at the end.
+        groupwise = getattr(self.reward, "groupwise", False)
 
         def score(rows: Tensor, media: Tensor) -> dict[str, Tensor]:
             began = time.perf_counter()
             picked = rows.tolist()    # iterating the tensor would make a 0-d tensor per row
+            groups = {"group_ids": group_ids[rows]} if groupwise else {}
             out = self.reward(media, [prompts[i] for i in picked],
-                              [scored_metadata[i] for i in picked])
+                              [scored_metadata[i] for i in picked], **groups)
             reward_seconds.append(time.perf_counter() - began)
             return out
 
@@ -319,12 +338,16 @@ class FlowPolicy(FlowEvaluation):
         began = time.perf_counter()
         settings = self.settings(iteration)
         settings.keep_final_latents = not transitions
+        if self.guidance is not None:
+            settings.guidance = self.guidance.for_rows(prompts, scored_metadata)
         with torch.no_grad(), self.accelerator.autocast(), \
                 self.algorithm.sampling_weights(iteration):
             batch = rollout(self.model, prompts, metadata, group_ids, sample_ids, plans,
-                            settings, on_media=on_media, images=images,
+                            settings, on_media=None if groupwise else on_media, images=images,
                             sample_trained=sample_trained)
         rollout_seconds = time.perf_counter() - began
+        if groupwise:
+            on_media(torch.arange(len(prompts)), batch.media)
         for replay in batch.replay:
             replay.bucket = buckets[plans[int(group_ids[replay.rows[0]])].key()] \
                 if transitions else 0

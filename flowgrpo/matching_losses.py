@@ -16,6 +16,8 @@ float64). Shapes: B rows, ``...`` the latents' own dimensions, ``mean_d`` the me
     ``awm_log_prob``           AWM's weighted negative matching error (its "log-prob")
     ``dgpo_loss``              DGPO's group preference loss
     ``diffusion_dpo_loss``     Diffusion-DPO's pairwise loss per pair
+    ``gdro_implicit_rewards``  GDRO's implicit reward of each sample
+    ``gdro_loss``              GDRO's listwise loss per group (cross-entropy or Plackett-Luce)
     ``old_policy_decay``       the ramped EMA decay of the "old" policy (DiffusionNFT, DGPO)
 """
 from __future__ import annotations
@@ -215,6 +217,70 @@ def diffusion_dpo_loss(error_chosen: Tensor, error_rejected: Tensor, error_ref_c
     margin = ((error_chosen.to(dtype) - error_ref_chosen.to(dtype))
               - (error_rejected.to(dtype) - error_ref_rejected.to(dtype)))
     return -F.logsigmoid(-0.5 * beta * margin)
+
+
+GDRO_LOSSES = ("cross_entropy", "plackett_luce")
+
+
+def gdro_implicit_rewards(error: Tensor, error_ref: Tensor, beta: float) -> Tensor:
+    """GDRO's implicit reward of each sample, (B,): s = -beta (e - e_ref), e = mean_d (v_theta -
+    v*)^2 and e_ref = mean_d (v_ref - v*)^2 at the same x_sigma (the Diffusion-DPO log-ratio
+    surrogate of one sample). 0 while the policy is the reference; up when the policy's error on
+    the sample drops below the reference's."""
+    if beta <= 0:
+        raise ValueError(f"beta must be > 0 (got {beta})")
+    if error.shape != error_ref.shape or error.dim() != 1:
+        raise ValueError(f"error and error_ref must share one shape (B,) (got "
+                         f"{tuple(error.shape)} and {tuple(error_ref.shape)})")
+    dtype = _dtype(error, error_ref)
+    return -beta * (error.to(dtype) - error_ref.to(dtype))
+
+
+def gdro_loss(implicit: Tensor, rewards: Tensor, valid: Tensor, tau: float,
+              form: str = "cross_entropy") -> Tensor:
+    """GDRO's listwise loss of each group, (N,), from the implicit rewards of its members.
+
+    implicit: (N, G) implicit rewards s (``gdro_implicit_rewards``) of the N groups' G members;
+    rewards: (N, G) their explicit rewards; valid: (N, G) bool, the members that take part (a
+    member with a non-finite reward does not). Over the valid members of a group:
+
+        cross_entropy   -sum_i p_i log softmax(s)_i,   p = softmax(r / tau)
+        plackett_luce   -sum_k [s_pi(k) - log sum_{j >= k} exp s_pi(j)]
+
+    with pi the members ordered by reward, best first (ties in row order). At s = 0 (the policy
+    is the reference) the cross-entropy is log n and the Plackett-Luce loss log n! for n valid
+    members; Plackett-Luce depends on the rewards only through their order (tau unused). A group
+    with fewer than 2 valid members gives 0."""
+    if form not in GDRO_LOSSES:
+        raise ValueError(f"form must be one of {GDRO_LOSSES} (got {form!r})")
+    if implicit.dim() != 2 or rewards.shape != implicit.shape or valid.shape != implicit.shape:
+        raise ValueError(f"implicit, rewards and valid must share one shape (N, G) (got "
+                         f"{tuple(implicit.shape)}, {tuple(rewards.shape)}, {tuple(valid.shape)})")
+    if form == "cross_entropy" and tau <= 0:
+        raise ValueError(f"tau must be > 0 (got {tau})")
+    dtype = _dtype(implicit)
+    s = implicit.to(dtype)
+    valid = valid.to(torch.bool) & torch.isfinite(rewards)
+    # a finite stand-in for -inf: exp underflows to 0, and no inf - inf makes a NaN gradient
+    blocked = torch.tensor(torch.finfo(dtype).min / 4, dtype=dtype, device=s.device)
+    if form == "cross_entropy":
+        r = torch.where(valid, rewards.to(dtype), torch.zeros((), dtype=dtype, device=s.device))
+        target = torch.softmax(torch.where(valid, r / tau, blocked), dim=1)
+        log_q = torch.log_softmax(torch.where(valid, s, blocked), dim=1)
+        terms = torch.where(valid, target * log_q, torch.zeros_like(s))
+        loss = -terms.sum(dim=1)
+    else:
+        # best first; invalid members last (their terms are dropped)
+        key = torch.where(valid, rewards.to(dtype), blocked)
+        order = torch.sort(key, dim=1, descending=True, stable=True).indices
+        s_sorted = torch.gather(torch.where(valid, s, blocked), 1, order)
+        keep = torch.gather(valid, 1, order)
+        # log sum_{j >= k} exp s_pi(j): a cumulative logsumexp from the end
+        tails = torch.logcumsumexp(s_sorted.flip(1), dim=1).flip(1)
+        terms = torch.where(keep, tails - s_sorted, torch.zeros_like(s_sorted))
+        loss = terms.sum(dim=1)
+    enough = valid.sum(dim=1) >= 2
+    return torch.where(enough, loss, torch.zeros_like(loss))
 
 
 def old_policy_decay(step: int, flat_steps: int, ramp_rate: float, max_decay: float) -> float:

@@ -27,6 +27,14 @@ Plan kinds (``PlanConfig.kind``):
 * ``one_step`` (Flash-GRPO): a single stochastic+trained step k drawn per (iteration, group).
 * ``ode``: no stochastic step, ``solver_after`` throughout (Euler or DPM-Solver++(2M)): the
   rollouts of the algorithms that train on final samples (DiffusionNFT, AWM, DGPO, DPO).
+* ``merge`` (E-GRPO): one stochastic+trained step that spans ``m`` steps of the base schedule,
+  sigma_k -> sigma_{k+m} (the intermediate points are dropped from the visited schedule, so the
+  SDE step is the transition kind's own step with dt = sigma_k - sigma_{k+m}: higher entropy
+  than any of the m steps it replaces); ODE elsewhere. The branch steps k and their counts m are
+  ``merge_at`` / ``merge_counts`` (E-GRPO's eta_step_list / eta_step_merge_list); group g of
+  iteration t branches at merge_at[(t + g) % len(merge_at)], so the members of a group share
+  their merged step and the group-normalised advantage is E-GRPO's "among samples sharing the
+  merged step". ``merge_counts_for_entropy`` picks the counts by an entropy threshold.
 
 Steps before the last stochastic step are always Euler; steps after it use ``solver_after``.
 ``shared_prefix`` is the number of leading deterministic steps: when the members of a group share
@@ -45,7 +53,7 @@ from torch import Tensor
 
 from flowgrpo.checks import choice, config_field, int_at_least, is_number
 from flowgrpo.errors import ConfigError
-from flowgrpo.sde import ODE_SOLVERS
+from flowgrpo.sde import ODE_SOLVERS, step_entropy
 
 __all__ = [
     "PLAN_KINDS",
@@ -60,6 +68,8 @@ __all__ = [
     "dance_count",
     "replay_steps_per_chunk",
     "plan_seed",
+    "merged_schedule",
+    "merge_counts_for_entropy",
 ]
 
 TRAIN_SELECTS = ("first", "random", "random_per_sample")
@@ -183,7 +193,8 @@ class PlanConfig:
 
     kind: str = config_field(
         "full (Flow-GRPO / DanceGRPO) | window (MixGRPO) | branch (Flow-GRPO-Fast) | "
-        "one_step (Flash-GRPO) | ode (no SDE step: the sample-based algorithms' rollouts).",
+        "one_step (Flash-GRPO) | merge (E-GRPO: one SDE step merging several) | "
+        "ode (no SDE step: the sample-based algorithms' rollouts).",
         default="full")
     train_fraction: float = config_field(
         "full: train int(num_steps * train_fraction) of the num_steps - 1 stochastic steps "
@@ -245,6 +256,15 @@ class PlanConfig:
     one_step_range: tuple[int, int] | None = config_field(
         "one_step: [lo, hi) for the stochastic step k, drawn per (iteration, group); None = "
         "[0, num_steps // 2) (Flash-GRPO: k in 0..9 of 20).", default=None)
+    merge_at: list[int] = config_field(
+        "merge: base-schedule steps k where a group branches with one merged SDE step (E-GRPO's "
+        "eta_step_list; default [1]); group g of iteration t takes merge_at[(t + g) % len].",
+        default_factory=lambda: [1])
+    merge_counts: list[int] | None = config_field(
+        "merge: base steps m each merged step spans, sigma_k -> sigma_{k+m} (E-GRPO's "
+        "eta_step_merge_list), one per merge_at entry with k + m <= num_steps - 1; None = 1 "
+        "each (an unmerged SDE step). plans.merge_counts_for_entropy picks them by entropy.",
+        default=None)
 
     def validate(self, num_steps: int) -> None:
         """Raise ConfigError naming ``sampling.plan.<field>`` for the first invalid field."""
@@ -292,6 +312,32 @@ class PlanConfig:
                               f"(MixGRPO-Flash); got kind {self.kind!r}")
         for name in ("window_range", "branch_range", "one_step_range"):
             _step_range(getattr(self, name), (0, 1), num_steps, prefix + name)
+        _merge_pairs(self, num_steps)
+
+
+def _merge_pairs(config: PlanConfig, num_steps: int) -> list[tuple[int, int]]:
+    """[(k, m)] of a merge plan, validated: ints, k >= 0, m >= 1, one count per step, and
+    k + m <= num_steps - 1 when the kind is merge (the last step stays deterministic)."""
+    prefix = "sampling.plan."
+    steps, counts = config.merge_at, config.merge_counts
+    if not isinstance(steps, (tuple, list)) or not steps or \
+            any(isinstance(k, bool) or not isinstance(k, int) or k < 0 for k in steps):
+        raise ConfigError(f"{prefix}merge_at must be a non-empty list of step indices >= 0 "
+                          f"(got {steps!r})")
+    if counts is None:
+        counts = [1] * len(steps)
+    if not isinstance(counts, (tuple, list)) or len(counts) != len(steps) or \
+            any(isinstance(m, bool) or not isinstance(m, int) or m < 1 for m in counts):
+        raise ConfigError(f"{prefix}merge_counts must be null or a list of ints >= 1, one per "
+                          f"{prefix}merge_at entry ({len(steps)}) (got {counts!r})")
+    pairs = list(zip(steps, counts))
+    if config.kind == "merge":
+        for k, m in pairs:
+            if k + m > num_steps - 1:
+                raise ConfigError(f"{prefix}merge_at {k} with merge_counts {m} ends at step "
+                                  f"{k + m}, past num_steps - 1 = {num_steps - 1} (the last "
+                                  f"step is deterministic): lower the count or the step")
+    return pairs
 
 
 def _step_range(value: Sequence[int] | None, default: tuple[int, int], num_steps: int,
@@ -504,6 +550,48 @@ def _one_step_plan(config: PlanConfig, sigmas: Tensor, iteration: int, group_id:
     return StepPlan(sigmas, (step,), (step,), config.solver_after, shared_prefix=step)
 
 
+def merged_schedule(sigmas: Tensor, step: int, count: int) -> Tensor:
+    """(N + 2 - count,) the schedule a trajectory merged at ``step`` visits: sigmas[:step + 1]
+    then sigmas[step + count:], so its step ``step`` goes sigma_step -> sigma_{step + count}
+    (dt = sigma_step - sigma_{step + count}) and the other steps are the base ones. count = 1
+    returns the base schedule."""
+    return torch.cat([sigmas[:step + 1], sigmas[step + count:]])
+
+
+def _merge_plan(config: PlanConfig, sigmas: Tensor, iteration: int, group_id: int,
+                seed: int, time_shift: float | None = None) -> StepPlan:
+    pairs = _merge_pairs(config, sigmas.numel() - 1)
+    # every group of an iteration takes the next branch step, so all of them are trained
+    # whenever the iteration has at least len(merge_at) groups (E-GRPO trains each of its
+    # eta_step_list every iteration); no draw, so no salt
+    step, count = pairs[(iteration + group_id) % len(pairs)]
+    return StepPlan(merged_schedule(sigmas, step, count), (step,), (step,), config.solver_after,
+                    shared_prefix=step)
+
+
+def merge_counts_for_entropy(sigmas: Tensor, steps: Sequence[int], noise_level: float,
+                             threshold: float, kind: str = "flow_sde") -> tuple[int, ...]:
+    """E-GRPO's entropy rule for ``merge_counts``: for each branch step k, the smallest m >= 1
+    whose merged step sigma_k -> sigma_{k+m} has per-element entropy (``sde.step_entropy``) at
+    least ``threshold``, or the largest that keeps the last step deterministic (k + m <= N - 1)
+    when none reaches it. sigmas: (N + 1,) base schedule."""
+    sigmas = _check_schedule(sigmas, "sigmas")
+    last = sigmas.numel() - 2
+    counts = []
+    for k in steps:
+        if not 0 <= k < last:
+            raise ValueError(f"step {k} must be in [0, {last}) (the merged step ends by step "
+                             f"{last}, the last step is deterministic)")
+        count = last - k
+        for m in range(1, last - k + 1):
+            entropy = step_entropy(kind, sigmas[k:k + 1], sigmas[k + m:k + m + 1], noise_level)
+            if float(entropy) >= threshold:
+                count = m
+                break
+        counts.append(count)
+    return tuple(counts)
+
+
 def _ode_plan(config: PlanConfig, sigmas: Tensor, iteration: int, group_id: int,
               seed: int, time_shift: float | None = None) -> StepPlan:
     # no SDE step: the sample-based algorithms (nft, awm, dgpo, dpo) train on final samples
@@ -518,8 +606,8 @@ def make_plan(config: PlanConfig, base_sigmas: Tensor, iteration: int, group_id:
         config: validated against ``num_steps = len(base_sigmas) - 1``.
         base_sigmas: (N+1,) strictly decreasing schedule from the model (``FlowModel.sigmas``).
         iteration: training iteration (>= 0); windows move with it, draws are keyed on it.
-        group_id: the prompt group; only ``full``/random, ``branch`` and ``one_step`` depend on
-            it (window plans are the same for every group).
+        group_id: the prompt group; only ``full``/random, ``branch``, ``one_step`` and ``merge``
+            depend on it (window plans are the same for every group).
         seed: the run's seed.
         time_shift: the static shift of ``base_sigmas`` when it is shift(t) on a t grid linear
             in the index (``sde.shifted_linear_sigmas``); MixGRPO-Flash's compressed grid is
@@ -567,7 +655,7 @@ def replay_steps_per_chunk(config: PlanConfig, num_steps: int) -> int:
         if config.train_select == "random_per_sample":
             return num_steps - 1
         return _full_count(config, num_steps)
-    if config.kind == "one_step":
+    if config.kind in ("one_step", "merge"):
         return 1
     if config.kind == "window":
         lo, hi = _window_bounds(config, num_steps)
@@ -579,5 +667,5 @@ def replay_steps_per_chunk(config: PlanConfig, num_steps: int) -> int:
 
 # plan kind -> builder(config, sigmas, iteration, group_id, seed, time_shift) -> StepPlan
 PLAN_BUILDERS = {"full": _full_plan, "window": _window_plan, "branch": _branch_plan,
-                 "one_step": _one_step_plan, "ode": _ode_plan}
+                 "one_step": _one_step_plan, "merge": _merge_plan, "ode": _ode_plan}
 PLAN_KINDS = tuple(PLAN_BUILDERS)

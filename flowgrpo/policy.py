@@ -168,11 +168,11 @@ def frozen_reference(config: TrainConfig, module: nn.Module) -> nn.Module | None
     """The KL reference for full fine-tuning (there is no adapter to disable): a frozen copy of
     the initial module (``training.gardo.refresh_every`` copies later weights into it). None when
     nothing compares with a reference (kl_beta, kl_reward, anchor_beta and
-    locality.keep_kl_beta all 0, and an algorithm other than dpo and dgpo with reference base)
+    locality.keep_kl_beta all 0, and an algorithm other than dpo, gdro and dgpo with reference base)
     or LoRA provides the reference."""
     t = config.training
     uses_reference = (t.kl_beta > 0 or t.kl_reward > 0 or t.anchor_beta > 0
-                      or t.locality.keep_kl_beta > 0 or t.algorithm == "dpo"
+                      or t.locality.keep_kl_beta > 0 or t.algorithm in ("dpo", "gdro")
                       or (t.algorithm == "dgpo" and t.dgpo.reference == "base"))
     if uses_reference and not config.model.lora.enabled:
         return copy.deepcopy(module).requires_grad_(False)

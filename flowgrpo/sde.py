@@ -67,6 +67,7 @@ __all__ = [
     "ODE_SOLVERS",
     "Transition",
     "transition",
+    "step_entropy",
     "score_step",
     "region_log_probs",
     "StepGaussian",
@@ -458,6 +459,34 @@ def transition(kind: str, velocity: Tensor, sample: Tensor, sigma: float | Tenso
         log_prob = gaussian.log_prob(x_next.detach() - mean)
     return Transition(prev_sample=x_next, mean=mean, std=std, log_prob=log_prob,
                       gaussian=gaussian)
+
+
+def step_entropy(kind: str, sigma: float | Tensor, sigma_next: float | Tensor,
+                 noise_level: float | Tensor,
+                 schedule_bounds: tuple[float, float] | None = None) -> Tensor:
+    """(B,) differential entropy per element of a stochastic step's Gaussian,
+    0.5 log(2 pi e std^2), with ``std`` the step's total std (``transition``'s).
+
+    For flow_sde with sigma < 1 this is 0.5 log(2 pi e a^2 sigma / (1 - sigma) (sigma -
+    sigma_next)): E-GRPO's entropy of a step, which grows with the step's length, so merging m
+    steps sigma_k -> sigma_{k+m} into one (``plans.merged_schedule``) raises it. -inf where the
+    std is 0 (a = 0). sigma, sigma_next, noise_level: (B,) or scalars, as ``transition``.
+    """
+    if kind not in STOCHASTIC_STEPS:
+        raise ValueError(f"kind must be a stochastic kind {tuple(STOCHASTIC_STEPS)} (got {kind!r})")
+    batch = max(torch.as_tensor(value).numel() for value in (sigma, sigma_next, noise_level))
+    device = next((v.device for v in (sigma, sigma_next, noise_level) if isinstance(v, Tensor)),
+                  torch.device("cpu"))
+    sigma_t = _per_sample(sigma, "sigma", batch, device, True)
+    sigma_next_t = _per_sample(sigma_next, "sigma_next", batch, device, True)
+    level = _per_sample(noise_level, "noise_level", batch, device, True)
+    _check_values(kind, sigma_t, sigma_next_t, level)
+    bounds = None
+    if schedule_bounds is not None:
+        bounds = tuple(_per_sample(value, "schedule_bounds", batch, device, True)
+                       for value in schedule_bounds)
+    _, _, std = STOCHASTIC_STEPS[kind](sigma_t, sigma_next_t, level, bounds)
+    return 0.5 * math.log(2.0 * math.pi * math.e) + torch.log(std)
 
 
 def score_step(velocity: Tensor, sample: Tensor, next_sample: Tensor, gaussian: StepGaussian

@@ -16,6 +16,12 @@ Optional attributes a reward class may define (all read with ``getattr``, none r
   (the remote client has this: one HTTP request returns both).
 - ``video_native: bool``: the reward scores videos (B, F, 3, H, W) itself; otherwise
   ``load_reward`` scores each frame as an image and aggregates.
+- ``score_gradient(media, prompts, metadata) -> (Tensor, Tensor)``: the main score (B,) and its
+  gradient with respect to the media (the media's shape): a differentiable reward, which
+  ``sampling.reward_guidance`` (``flowgrpo/guided_sde.py``, Euphonium) can steer rollouts with.
+- ``groupwise = True`` with ``score_groups(media, prompts, metadata, group_ids) -> (Tensor,
+  dict[str, Tensor])``: the reward compares the members of each group (``reward_models.group``:
+  ``win_rate``, ``group_rank``); ``score_with_components`` calls it when given group ids.
 """
 from __future__ import annotations
 
@@ -54,6 +60,8 @@ REGISTRY: dict[str, str] = {
     "toy_artifacts": "reward_models.toy_quality:ToyArtifactsReward",
     "ensemble": "reward_models.ensemble:EnsembleReward",
     "toy_proxy": "reward_models.toy_proxy:ToyProxyReward",
+    "win_rate": "reward_models.group:WinRateReward",
+    "group_rank": "reward_models.group:GroupRankReward",
 }
 
 
@@ -69,11 +77,27 @@ def register_reward(name: str) -> Callable[[type], type]:
     return wrap
 
 
+def is_groupwise(reward) -> bool:
+    """Whether a reward scores whole groups (``groupwise = True``), looked up through the
+    loader's wrapper (``ManagedReward.inner``)."""
+    return bool(getattr(getattr(reward, "inner", reward), "groupwise", False))
+
+
 def score_with_components(reward, media: Tensor, prompts: list[str],
-                          metadata: list[dict]) -> tuple[Tensor, dict[str, Tensor]]:
+                          metadata: list[dict], group_ids: Tensor | None = None
+                          ) -> tuple[Tensor, dict[str, Tensor]]:
     """The main score (B,) and the named components {key: (B,)} of any reward, running its model
     once where the reward says how (``score_and_components`` or ``main_component``).
-    Rewards without ``components`` return an empty dict."""
+    Rewards without ``components`` return an empty dict. ``group_ids`` (B,): a groupwise reward
+    scores the groups with ``score_groups`` (other rewards ignore them); without them it gives
+    what it says it gives outside a group (``reward_models.group``: NaN and its components)."""
+    if group_ids is not None and is_groupwise(reward):
+        inner = getattr(reward, "inner", reward)
+        name = getattr(reward, "name", type(inner).__name__)
+        main, parts = inner.score_groups(media, prompts, metadata, group_ids)
+        batch = len(prompts)
+        return as_score_vector(main, batch, name), {
+            k: as_score_vector(v, batch, f"{name}.{k}") for k, v in parts.items()}
     both = getattr(reward, "score_and_components", None)
     if callable(both):
         main, parts = both(media, prompts, metadata)

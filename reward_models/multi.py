@@ -24,7 +24,7 @@ from torch import Tensor
 
 from flowgrpo.advantages import REWARD_AGGREGATIONS, mask_nonfinite
 
-from .base import score_with_components
+from .base import is_groupwise, score_with_components
 from .loading import ManagedReward, _split_spec, load_reward
 
 AGGREGATIONS = REWARD_AGGREGATIONS   # how the trainer turns the scores into advantages
@@ -83,13 +83,22 @@ class MultiReward:
     def name(self) -> str:
         return "+".join(self.rewards)
 
+    @property
+    def groupwise(self) -> bool:
+        """Whether a reward compares the members of a group (``reward_models.group``): then the
+        caller scores whole groups at once and passes their ``group_ids``."""
+        return any(is_groupwise(reward) for reward in self.rewards.values())
+
     def __call__(self, media: Tensor | list[str], prompts: list[str],
-                 metadata: list[dict] | None = None) -> dict[str, Tensor]:
+                 metadata: list[dict] | None = None,
+                 group_ids: Tensor | None = None) -> dict[str, Tensor]:
         """Every reward's main score and components, and ``"total"``; each (B,) float32 CPU.
-        ``media``: images / videos, or completions (strings) for text rewards."""
+        ``media``: images / videos, or completions (strings) for text rewards. ``group_ids``
+        (B,): each sample's group, for groupwise rewards (whole groups only); without them a
+        groupwise reward's main score is NaN (``reward_models.group``)."""
         out: dict[str, Tensor] = {}
         for key, reward in self.rewards.items():
-            main, parts = score_with_components(reward, media, prompts, metadata)
+            main, parts = score_with_components(reward, media, prompts, metadata, group_ids)
             out[key] = main
             for part, values in parts.items():
                 out[f"{key}.{part}"] = values

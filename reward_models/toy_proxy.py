@@ -186,3 +186,21 @@ class ToyProxyReward:
     def __call__(self, media: Tensor, prompts: list[str], metadata: list[dict] | None = None
                  ) -> Tensor:
         return self.components(media, prompts, metadata)[self.main_component]
+
+    def score_gradient(self, media: Tensor, prompts: list[str],
+                       metadata: list[dict] | None = None) -> tuple[Tensor, Tensor]:
+        """(scores (B,), d scores / d media (B, 3, H, W)) of the main score (the ensemble mean
+        or the chosen member), on media's device: the differentiable-reward interface
+        (``reward_models.base``) that ``sampling.reward_guidance`` steers rollouts with. Pixels
+        outside [0, 1] get gradient 0 (the score clamps them)."""
+        if media.ndim != 4 or media.shape[1] != 3:
+            raise ValueError(f"toy_proxy scores images (B, 3, H, W) (got {tuple(media.shape)})")
+        features = torch.stack([
+            prompt_features(metadata[i] if metadata and metadata[i] and "objects" in metadata[i]
+                            else parse_prompt(p)) for i, p in enumerate(prompts)])
+        with torch.enable_grad():
+            pixels = media.detach().float().to(self.device).requires_grad_(True)
+            probs = self.net(pixels.clamp(0, 1), features.to(self.device))          # (M, B)
+            scores = probs.mean(0) if self.member is None else probs[self.member]
+            (grad,) = torch.autograd.grad(scores.sum(), pixels)
+        return scores.detach().to(media.device), grad.to(media.device)

@@ -18,7 +18,7 @@ from flowgrpo.tiny_recipe import load_tiny_config
 from flowgrpo.trainer import Trainer
 from tests.helpers import tiny_config
 
-SAMPLE_ALGORITHMS = ("nft", "awm", "dgpo", "dpo")
+SAMPLE_ALGORITHMS = ("nft", "awm", "dgpo", "dpo", "gdro")
 # What a sample-based run needs on top of a GRPO recipe: a deterministic sampler from
 # independent noise, one level per sample, none of GRPO's transition options.
 SAMPLE_OVERRIDES = ["sampling.plan={kind: ode}", "sampling.share_initial_noise=false",
@@ -45,7 +45,9 @@ def test_registry_names_and_kinds():
 # family -> the recipe whose tiny build runs it (qwen_image_edit has no recipe: the toy editing
 # model stands for the editing path on the CPU below)
 FAMILY_RECIPES = {"sd3": "sd3_pickscore", "flux": "flux_flowgrpo", "flux_kontext": "kontext_edit",
-                  "qwen_image": "qwen_image_ocr", "wan": "wan_video"}
+                  "qwen_image": "qwen_image_ocr", "wan": "wan_video", "wan_i2v": "wan_i2v_pickscore",
+                  "flux2": "flux2_klein_pickscore",
+                  "qwen_image_edit_plus": "qwen_image_edit_plus_pickscore", "z_image": "z_image_turbo_pickscore"}
 
 
 @pytest.fixture(scope="module")

@@ -57,8 +57,16 @@ IS = {
                                log_prob="unscaled"),
     "flash_grpo": dict(kind="flash_sde", stochastic=1, trained="stochastic", moves="group",
                        solver="euler", shared=False, first_half=True, rectification=True),
+    # E-GRPO: its one SDE step merges 2-4 schedule steps, so every plan visits fewer than 16
+    "e_grpo": dict(kind="flow_sde", stochastic=1, trained="stochastic", moves="group",
+                   solver="euler", shared=True, first_half=True, compressed=True),
+    "euphonium": dict(kind="flow_sde", stochastic="all", trained="all", moves="fixed",
+                      solver="euler", shared=False, reward_guidance="toy_proxy"),
     "default": dict(kind="flow_sde", stochastic=4, trained="stochastic", moves="group",
                     solver="euler", shared=False, first_half=True),
+    # Pref-GRPO: the default's rollouts; only the reward differs (the group win rate)
+    "pref_grpo": dict(kind="flow_sde", stochastic=4, trained="stochastic", moves="group",
+                      solver="euler", shared=False, first_half=True),
     "default_cgpo": dict(kind="flow_sde", stochastic=4, trained="stochastic", moves="group",
                          solver="euler", shared=False, first_half=True, curriculum=True),
 }
@@ -67,7 +75,8 @@ IS = {
 # The sample-based algorithms: ODE rollouts (Euler, 16 steps) from independent noise, each final
 # sample trained at `levels` noise levels per iteration.
 SAMPLE_IS = {"nft": dict(levels=2, kl_beta=1e-4), "awm": dict(levels=2, kl_beta=1e-4),
-             "dgpo": dict(levels=2, kl_beta=1e-3), "dpo": dict(levels=2, kl_beta=0.0)}
+             "dgpo": dict(levels=2, kl_beta=1e-3), "dpo": dict(levels=2, kl_beta=0.0),
+             "gdro": dict(levels=2, kl_beta=0.0)}
 
 
 def plans_of(config, iterations, groups=range(8)):
@@ -96,6 +105,7 @@ def test_each_config_is_its_method(bench, name):
                                             spec.get("dt_reweight", False))
     assert t.rectification == spec.get("rectification", False)
     assert config.prompts.curriculum.enabled == spec.get("curriculum", False)
+    assert s.reward_guidance.reward == spec.get("reward_guidance", "")
     iterations = range(0, config.run.max_iterations, max(config.run.max_iterations // 40, 1))
     plans = plans_of(config, iterations)
     for (it, group), plan in plans.items():
@@ -161,11 +171,23 @@ def test_every_method_takes_the_toy_world_base_batch_and_evaluation(bench, name)
     if name in SAMPLE_IS:   # their anchors' own velocity KL and zero-variance handling
         shared = [p for p in shared if p not in (("training", "kl_beta"),
                                                  ("training", "skip_zero_std_groups"))]
+    if name == "pref_grpo":   # the group win rate over the verifier's partial credit
+        shared.remove(("rewards",))
     for path in shared:
         a, b = default, mine
         for part in path:
             a, b = a[part], b[part]
         assert a == b, (name, path)
+    if name == "pref_grpo":
+        # the default, field for field, but for the reward, the evaluation keeping the default's
+        # exact accuracy beside the win rate's own score, and the run's name
+        reward = mine["rewards"]["components"]
+        assert [c["name"] for c in reward] == ["win_rate"]
+        assert reward[0]["options"]["pairwise"]["of"]["name"] == "geneval_toy"
+        assert {"name": "geneval_toy", "weight": 1.0, "options": {"score": "exact"}} in \
+            mine["eval"]["rewards"]
+        assert {k: v for k, v in mine.items() if k not in ("name", "rewards", "eval")} == \
+            {k: v for k, v in default.items() if k not in ("name", "rewards", "eval")}
     if name == "default_cgpo":
         # the default, field for field, but for the curriculum and the run's name
         mine["prompts"]["curriculum"]["enabled"] = False
@@ -173,7 +195,7 @@ def test_every_method_takes_the_toy_world_base_batch_and_evaluation(bench, name)
             {k: v for k, v in default.items() if k != "name"}
 
 
-@pytest.mark.parametrize("name", sorted(set(IS) - {"default", "default_cgpo"}))
+@pytest.mark.parametrize("name", sorted(set(IS) - {"default", "default_cgpo", "pref_grpo"}))
 def test_methods_take_two_optimiser_steps_per_iteration(bench, name):
     config = method_config(bench, name)
     batches = replay_batches_per_process(config, 1)

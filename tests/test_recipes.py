@@ -29,6 +29,10 @@ SHIPPED = {
     "kontext_edit": (2, 28),     # Flow-GRPO counting_flux_kontext: gpu_number 28
     "qwen_image_ocr": (2, 32),   # Flow-GRPO pickscore_qwenimage: gpu_number 32
     "wan22_video": (2, 8),       # Flow-GRPO general_ocr_wan2_1's per-GPU layout on 8 GPUs
+    "flux2_klein_pickscore": (2, 8),   # Flow-Factory grpo/lora/flux2_klein_base: 8 processes
+    "qwen_image_edit_plus_pickscore": (2, 8),   # Flow-Factory grpo/lora/qwen_image_edit_plus: 8
+    "wan_i2v_pickscore": (2, 8),   # Flow-Factory grpo/lora/wan21/i2v: 8 processes
+    "z_image_turbo_pickscore": (2, 8),   # Flow-Factory grpo/lora/z_image_turbo: 8 processes
 }
 # The sample-based algorithms' recipes: (optimiser steps per epoch, the anchor's process count).
 SAMPLE_SHIPPED = {
@@ -40,6 +44,14 @@ SAMPLE_SHIPPED = {
 ANCHOR_ACCUMULATION = {"sd3_ocr": 2 * 9, "sd3_pickscore": 2 * 9, "sd3_fast_cps": 2 * 3,
                        "flux_flowgrpo": 6 * 5, "flux_pickscore": 1, "wan_video": 1,
                        "kontext_edit": 6 * 5, "qwen_image_ocr": 2 * 2, "wan22_video": 1 * 19,
+                       # Flow-Factory: 96 one-sample batches x 1 SDE step, 2 steps an epoch
+                       "flux2_klein_pickscore": 48 * 1,
+                       # Flow-Factory qwen_image_edit_plus: the same layout (96 one-sample
+                       # batches x 1 SDE step, 2 steps an epoch)
+                       "qwen_image_edit_plus_pickscore": 48 * 1,
+                       "wan_i2v_pickscore": 48 * 1,   # the same layout (wan21/i2v.yaml)
+                       # Flow-Factory: 96 one-sample batches x 1 SDE step, 2 steps an epoch
+                       "z_image_turbo_pickscore": 48 * 1,
                        # DiffusionNFT: 16 sample batches x 9 timesteps a step
                        "sd3_nft_pickscore": 16 * 9,
                        # DGPO: 12 micro-batches of half a group x 4 levels there; whole groups
@@ -62,7 +74,7 @@ METHOD_FIELDS = [
     "training.ema", "training.skip_zero_std_groups",
     "model.family", "model.lora", "rewards.aggregation",
     "training.algorithm", "training.timesteps", "training.nft", "training.awm", "training.dgpo",
-    "training.dpo",
+    "training.dpo", "training.gdro",
 ]
 
 

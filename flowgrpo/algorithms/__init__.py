@@ -2,8 +2,8 @@
 
 One file per algorithm; each is a ``FlowAlgorithm`` (``base.py``) that a ``FlowPolicy`` builds
 with itself. ``grpo`` trains on the exact log-probs of SDE transitions the rollout keeps (the
-clipped surrogate with its optional parts); ``nft``, ``awm``, ``dgpo`` and ``dpo`` train on final
-samples re-noised by the forward process (``matching_losses.py``). Adding one: docs/design.md,
+clipped surrogate with its optional parts); ``nft``, ``awm``, ``dgpo``, ``dpo`` and ``gdro``
+train on final samples re-noised by the forward process (``matching_losses.py``). Adding one: docs/design.md,
 "Adding things".
 """
 from __future__ import annotations
@@ -18,6 +18,7 @@ ALGORITHMS = {
     "awm": "flowgrpo.algorithms.awm:AWM",
     "dgpo": "flowgrpo.algorithms.dgpo:DGPO",
     "dpo": "flowgrpo.algorithms.dpo:DiffusionDPO",
+    "gdro": "flowgrpo.algorithms.gdro:GDRO",
 }
 assert tuple(ALGORITHMS) == ALGORITHM_NAMES
 
