@@ -94,6 +94,8 @@ FIELDS_ADDED_SINCE_RESULTS: dict[tuple[str, ...], object] = {
     # E-GRPO's merge plan (sampling.plan.kind: merge); inert for every other kind
     ("sampling", "plan", "merge_at"): [1],
     ("sampling", "plan", "merge_counts"): None,
+    # TempFlow-GRPO's cycling branch step (sampling.plan.one_step_select); Flash-GRPO's random
+    ("sampling", "plan", "one_step_select"): "random",
 }
 # A ratio of two held-out gains is reported only when both reach one point: below that the
 # ratio is evaluation noise (a baseline at +0.000 once gave a ratio of 2e7).
@@ -150,6 +152,7 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            "configs/toy_methods/flow_grpo_fast_cps.yaml", (0.8, 0.5)),
     Method("flash_grpo", "Flash-GRPO", "configs/toy_methods/flash_grpo.yaml", (1.0, 2.0)),
     Method("e_grpo", "E-GRPO", "configs/toy_methods/e_grpo.yaml", (0.7, 1.0)),
+    Method("tempflow_grpo", "TempFlow-GRPO", "configs/toy_methods/tempflow_grpo.yaml", (0.7, 1.0)),
     Method("nft", "DiffusionNFT", "configs/toy_methods/nft.yaml", (0.7,)),
     Method("awm", "AWM", "configs/toy_methods/awm.yaml", (0.7,)),
     Method("dgpo", "DGPO", "configs/toy_methods/dgpo.yaml", (0.7,)),

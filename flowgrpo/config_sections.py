@@ -29,7 +29,8 @@ from flowgrpo.model import CFG_GRADIENTS
 from flowgrpo.losses import KL_CONVENTIONS
 from flowgrpo.token_losses import TOKEN_AGGREGATIONS, TOKEN_LEVELS
 from flowgrpo.guided_sde import GUIDANCE_FORMS, LOG_PROB_MEANS, RewardGuidanceConfig
-from flowgrpo.plans import PLAN_KINDS, TRAIN_SELECTS, WINDOW_ENDS, WINDOW_STRATEGIES, PlanConfig
+from flowgrpo.plans import (ONE_STEP_SELECTS, PLAN_KINDS, TRAIN_SELECTS, WINDOW_ENDS,
+                            WINDOW_STRATEGIES, PlanConfig)
 from flowgrpo.prompts import PROMPT_SUFFIXES
 from flowgrpo.sde import KINDS, LOG_PROBS, ODE_SOLVERS
 
@@ -39,7 +40,7 @@ SIGMA_SCHEDULES = ("model", "shifted_linear")
 SAMPLING_KINDS = tuple(k for k in KINDS if k != "ode")
 LORA_INITS = ("gaussian", "default")
 DT_REWEIGHT_NORMS = ("iteration", "batch_mean")
-LOSS_SCALES = ("none", "std_over_sqrt_dt")
+LOSS_SCALES = ("none", "std_over_sqrt_dt", "noise_aware")
 MIXED_PRECISIONS = ("no", "fp16", "bf16")
 LOCALITY_MASKS = ("off", "record", "difference")
 SILENT_SHARES = ("keep", "reassign")
@@ -57,6 +58,7 @@ FIELD_CHOICES: dict[str, tuple[str, ...]] = {
     "sampling.plan.train_select": TRAIN_SELECTS,
     "sampling.plan.window_strategy": WINDOW_STRATEGIES, "sampling.plan.window_end": WINDOW_ENDS,
     "sampling.plan.solver_after": ODE_SOLVERS,
+    "sampling.plan.one_step_select": ONE_STEP_SELECTS,
     "sampling.reward_guidance.form": GUIDANCE_FORMS,
     "sampling.reward_guidance.log_prob_mean": LOG_PROB_MEANS,
     "training.algorithm": ALGORITHM_NAMES, "training.timesteps.sampling": TIMESTEP_SAMPLINGS,
@@ -470,7 +472,7 @@ class LocalityConfig(Section):
         "keep_region's elements only (losses.region_flow_matching). Supervised, not RL: what "
         "an edit should leave alone is known, the source, so it is taught directly rather than "
         "through the preservation reward's noisy advantage. Needs an adapter that encodes "
-        "images into its latents (encode_images: toy, flux_kontext).", default=0.0)
+        "images into its latents (editing families with encode_images: toy, flux_kontext).", default=0.0)
 
     @property
     def enabled(self) -> bool:
@@ -628,7 +630,9 @@ class TrainingConfig(Section):
     loss_scale: str = config_field(
         "Extra factor on each replay batch's policy loss (not the KL): 'none', or "
         "'std_over_sqrt_dt' (Flow-GRPO's Wan loop: mean_b(s) / mean_b(sqrt(sigma - sigma_next)) "
-        "over the replay batch, s the step's std_dev_t without sqrt(dt), sde.anchor_std).",
+        "over the replay batch, s the step's std_dev_t without sqrt(dt), sde.anchor_std), or "
+        "'noise_aware' (TempFlow-GRPO: each row's step total std over the mean total std of the "
+        "rollout schedule's steps but the last, losses.noise_aware_weights).",
         default="none")
     cfg_gradient: str = config_field(
         "Where classifier-free guidance's unconditional branch gets gradient in the update "

@@ -13,6 +13,7 @@ Flow transitions
     ``dt_reweight_step_weights``     GRPO-Guard 1/D gradient reweighting
     ``batch_mean_dt_weights``  GRPO-Guard's released 1/mean_b(sqrt D)^2 loss scale
     ``std_over_sqrt_dt_weights``  Flow-GRPO's Wan loss scale mean_b(s) / mean_b(sqrt D)
+    ``noise_aware_weights``    TempFlow-GRPO's step std over the schedule's mean step std
     ``region_policy_loss``     the same per region of the latents (Edit-GRPO's locality)
     ``fixed_region_shares``    its region weights at a fixed edit / rest ratio
     ``signal_region_shares``   its region weights over the regions whose advantage is not 0
@@ -412,6 +413,34 @@ def std_over_sqrt_dt_weights(step_std: Tensor, sigma: Tensor, sigma_next: Tensor
     root = (sigma.to(dtype) - sigma_next.to(dtype)).sqrt()
     scale = step_std.detach().to(dtype).mean() / root.mean()
     return torch.full_like(root, 1.0) * scale
+
+
+def noise_aware_weights(step_std: Tensor, schedule_std: Tensor) -> Tensor:
+    """TempFlow-GRPO's noise-aware weights, (B,): w = S / mean_k(S_k).
+
+    S is the total std of each row's SDE step (sigma_t sqrt(dt) in the paper; ``Transition.std``)
+    and S_k the total std of every step k the schedule trains (TempFlow-GRPO: every step but the
+    last). The mean over the schedule, not over a batch, makes the weights a fixed function of
+    the step: its reference multiplies each step's clipped surrogate by 2.25 std, 2.25 being 1 /
+    the mean step std of SD3.5-M's 10-step schedule at a = 0.7 (about 0.444), so that the weights
+    average 1 over the trained steps and the policy loss keeps Flow-GRPO's scale against the KL
+    (which it leaves unweighted). Early, noisy steps weigh more; equal stds give 1 everywhere.
+
+    Args:
+        step_std: (B,) S of each row's step, >= 0.
+        schedule_std: (K,) S_k of the schedule's trained steps, with a mean > 0.
+    """
+    if step_std.ndim != 1:
+        raise ValueError(f"step_std must be (B,) (got shape {tuple(step_std.shape)})")
+    if schedule_std.ndim != 1 or schedule_std.numel() == 0:
+        raise ValueError(f"schedule_std must be a non-empty (K,) tensor "
+                         f"(got shape {tuple(schedule_std.shape)})")
+    dtype = _compute_dtype(step_std, schedule_std)
+    scale = schedule_std.detach().to(dtype).mean()
+    if not bool(scale > 0) or bool((schedule_std < 0).any()) or bool((step_std < 0).any()):
+        raise ValueError("noise-aware weights need stds >= 0 whose schedule mean is > 0 (an SDE "
+                         "with sampling.noise_level > 0)")
+    return step_std.detach().to(dtype) / scale.to(step_std.device)
 
 
 def flow_kl(mean: Tensor, mean_ref: Tensor, std: Tensor) -> Tensor:

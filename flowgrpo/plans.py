@@ -24,7 +24,10 @@ Plan kinds (``PlanConfig.kind``):
   ``compress_ratio < 1`` re-discretise the post-window stretch to fewer steps, as many as
   MixGRPO's code builds: with r steps after the window, max(int((r + 1) ratio) - 1, 1).
 * ``branch`` (Flow-GRPO-Fast): a window whose start is drawn per (iteration, group); ODE elsewhere.
-* ``one_step`` (Flash-GRPO): a single stochastic+trained step k drawn per (iteration, group).
+* ``one_step`` (Flash-GRPO): a single stochastic+trained step k drawn per (iteration, group);
+  with ``one_step_select: cycle`` (TempFlow-GRPO) group g of iteration t takes
+  k = lo + (t + g) mod (hi - lo) instead, so the groups of an iteration branch at consecutive
+  steps and every step of the range is trained equally often.
 * ``ode``: no stochastic step, ``solver_after`` throughout (Euler or DPM-Solver++(2M)): the
   rollouts of the algorithms that train on final samples (DiffusionNFT, AWM, DGPO, DPO).
 * ``merge`` (E-GRPO): one stochastic+trained step that spans ``m`` steps of the base schedule,
@@ -75,6 +78,7 @@ __all__ = [
 TRAIN_SELECTS = ("first", "random", "random_per_sample")
 WINDOW_STRATEGIES = ("progressive", "decay", "exp_decay", "random")
 WINDOW_ENDS = ("fit", "shrink", "shrink_empty")
+ONE_STEP_SELECTS = ("random", "cycle")
 
 
 # ----------------------------------------------------------------------------- StepPlan
@@ -256,6 +260,12 @@ class PlanConfig:
     one_step_range: tuple[int, int] | None = config_field(
         "one_step: [lo, hi) for the stochastic step k, drawn per (iteration, group); None = "
         "[0, num_steps // 2) (Flash-GRPO: k in 0..9 of 20).", default=None)
+    one_step_select: str = config_field(
+        "one_step: how k is picked in one_step_range: 'random' (uniform per (iteration, group), "
+        "Flash-GRPO) or 'cycle' (group g of iteration t takes lo + (t + g) mod (hi - lo): the "
+        "groups of an iteration branch at consecutive steps and every step of the range is "
+        "trained equally often; TempFlow-GRPO, whose reference branches at every step).",
+        default="random")
     merge_at: list[int] = config_field(
         "merge: base-schedule steps k where a group branches with one merged SDE step (E-GRPO's "
         "eta_step_list; default [1]); group g of iteration t takes merge_at[(t + g) % len].",
@@ -276,6 +286,7 @@ class PlanConfig:
         choice(self.train_select, TRAIN_SELECTS, prefix + "train_select")
         choice(self.window_strategy, WINDOW_STRATEGIES, prefix + "window_strategy")
         choice(self.window_end, WINDOW_ENDS, prefix + "window_end")
+        choice(self.one_step_select, ONE_STEP_SELECTS, prefix + "one_step_select")
         choice(self.solver_after, ODE_SOLVERS, prefix + "solver_after")
         if not is_number(self.train_fraction) or not 0 < self.train_fraction <= 1:
             raise ConfigError(f"{prefix}train_fraction must be in (0, 1] "
@@ -546,7 +557,11 @@ def _one_step_plan(config: PlanConfig, sigmas: Tensor, iteration: int, group_id:
     num_steps = sigmas.numel() - 1
     lo, hi = _step_range(config.one_step_range, (0, num_steps // 2), num_steps,
                          "sampling.plan.one_step_range")
-    step = _draw(lo, hi, _generator(seed, iteration, group_id, "one_step"))
+    if config.one_step_select == "cycle":
+        # no draw: consecutive groups take consecutive steps, shifted by one each iteration
+        step = lo + (iteration + group_id) % (hi - lo)
+    else:
+        step = _draw(lo, hi, _generator(seed, iteration, group_id, "one_step"))
     return StepPlan(sigmas, (step,), (step,), config.solver_after, shared_prefix=step)
 
 

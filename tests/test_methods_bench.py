@@ -60,6 +60,9 @@ IS = {
     # E-GRPO: its one SDE step merges 2-4 schedule steps, so every plan visits fewer than 16
     "e_grpo": dict(kind="flow_sde", stochastic=1, trained="stochastic", moves="group",
                    solver="euler", shared=True, first_half=True, compressed=True),
+    # TempFlow-GRPO: one branch step a group, cycling over the schedule; noise-aware weights
+    "tempflow_grpo": dict(kind="flow_sde", stochastic=1, trained="stochastic", moves="group",
+                          solver="euler", shared=True, loss_scale="noise_aware"),
     "euphonium": dict(kind="flow_sde", stochastic="all", trained="all", moves="fixed",
                       solver="euler", shared=False, reward_guidance="toy_proxy"),
     "default": dict(kind="flow_sde", stochastic=4, trained="stochastic", moves="group",
@@ -104,6 +107,7 @@ def test_each_config_is_its_method(bench, name):
     assert (t.ratio_norm, t.dt_reweight) == (spec.get("ratio_norm", False),
                                             spec.get("dt_reweight", False))
     assert t.rectification == spec.get("rectification", False)
+    assert t.loss_scale == spec.get("loss_scale", "none")
     assert config.prompts.curriculum.enabled == spec.get("curriculum", False)
     assert s.reward_guidance.reward == spec.get("reward_guidance", "")
     iterations = range(0, config.run.max_iterations, max(config.run.max_iterations // 40, 1))

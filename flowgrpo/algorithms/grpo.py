@@ -11,8 +11,8 @@ config turns on, each a method that adds to the loss and the record:
     keep_source   training.locality.keep_source_beta * the source-preserving matching loss
     anchor        training.anchor_beta * the velocity anchor at untrained steps
 
-Per-row step weights (GRPO-Guard's 1/dt, Flash-GRPO's kappa, the anchors' loss scales) come from
-``step_weights``.
+Per-row step weights (GRPO-Guard's 1/dt, Flash-GRPO's kappa, the anchors' loss scales,
+TempFlow-GRPO's noise-aware weights) come from ``step_weights``.
 """
 from __future__ import annotations
 
@@ -27,9 +27,10 @@ from flowgrpo.losses import (batch_mean_dt_weights, check_weights, fixed_region_
                              dt_reweight_step_weights, gated_kl, policy_loss, ratio_norm_log_ratio,
                              rectification_weights, region_flow_kl, region_flow_matching,
                              region_policy_loss, signal_region_shares, source_preserving_target,
-                             std_over_sqrt_dt_weights, surrogate_stats, velocity_anchor)
+                             std_over_sqrt_dt_weights, surrogate_stats, velocity_anchor,
+                             noise_aware_weights)
 from flowgrpo.rollout import RolloutBatch, RolloutSettings, replay_logp
-from flowgrpo.sde import anchor_std, region_log_probs
+from flowgrpo.sde import STOCHASTIC_STEPS, anchor_std, region_log_probs
 from flowgrpo.seeding import seeded_generator
 
 
@@ -48,6 +49,18 @@ def replay_rows(replay, keep: Tensor):
     fields = {f.name: pick(getattr(replay, f.name)) for f in dataclasses.fields(replay)
               if f.name != "gaussian"}
     return dataclasses.replace(replay, gaussian=gaussian, **fields)
+
+
+def schedule_step_stds(kind: str, sigmas: Tensor, noise_level: float) -> Tensor:
+    """(N - 1,) float32: the total std of an SDE step of ``kind`` at every step of the schedule
+    ``sigmas`` (N + 1,) but the last (always deterministic), computed as the rollout computes
+    each step's std (flash_sde's bounds the schedule's sigmas[1] and sigmas[-1]): the S_k that
+    ``losses.noise_aware_weights`` normalises by."""
+    sigmas = sigmas.detach().to(device="cpu", dtype=torch.float32)
+    sigma, sigma_next = sigmas[:-2], sigmas[1:-1]
+    bounds = (sigmas[1].expand_as(sigma), sigmas[-1].expand_as(sigma))
+    return STOCHASTIC_STEPS[kind](sigma, sigma_next, torch.full_like(sigma, noise_level),
+                                  bounds)[2]
 
 
 @dataclasses.dataclass
@@ -85,11 +98,14 @@ class GRPO(FlowAlgorithm):
         replay batch holds a single step, so normalising within it would make every weight 1;
         a per-process mean would weigh the same step differently on different processes), times
         the per-batch factors the anchors do not normalise (``training.dt_reweight_norm:
-        batch_mean``, ``training.loss_scale``). Called on every process (the mean is
-        gathered)."""
+        batch_mean``, ``training.loss_scale``; TempFlow-GRPO's noise-aware weights, normalised by
+        the schedule, not the iteration). Called on every process (the mean is gathered)."""
         t = self.config.training
         normalised = (t.dt_reweight and t.dt_reweight_norm == "iteration") or t.rectification
         raw, absolute = [], []
+        if t.loss_scale == "noise_aware":
+            schedule_std = schedule_step_stds(self.config.sampling.kind, self.policy.base_sigmas,
+                                              self.config.sampling.noise_level)
         for replay in replays:
             weights = torch.ones_like(replay.logp_old)
             if t.dt_reweight and t.dt_reweight_norm == "iteration":
@@ -107,6 +123,9 @@ class GRPO(FlowAlgorithm):
                 scale = std_over_sqrt_dt_weights(
                     anchor_std(self.config.sampling.kind, replay.std, replay.sigmas,
                                replay.sigmas_next), replay.sigmas, replay.sigmas_next)
+                factor = scale if factor is None else factor * scale
+            if t.loss_scale == "noise_aware":
+                scale = noise_aware_weights(replay.std, schedule_std)
                 factor = scale if factor is None else factor * scale
             absolute.append(factor)
         if normalised:
