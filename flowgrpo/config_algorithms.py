@@ -133,7 +133,7 @@ class DPOConfig(Section):
     pairs_file: str | None = config_field(
         "Offline preference pairs: a JSONL file, one {\"prompt\": ..., \"chosen\": image path, "
         "\"rejected\": image path} object a line (paths relative to the file), VAE-encoded by "
-        "the model (a family with encode_images: toy) and trained with the online pairs' loss. "
+        "the model (a family with encode_images: toy, sd3, flux) and trained with the online pairs' loss. "
         "null: online pairs only.", default=None)
     pairs_per_iteration: int = config_field(
         "Offline pairs trained per iteration over all processes, drawn from pairs_file in a "

@@ -85,8 +85,12 @@ class FlowPolicy(FlowEvaluation):
         check_locality_keys(config, reward_output_keys(config, declared_components))
         check_guidance_reward(config, resolve_reward_class)
         family = config.model.family
-        if (config.training.locality.keep_source_beta > 0
-                and not hasattr(model_class(family), "encode_images")):
+        adapter = model_class(family)
+        # an editing family that encodes its sources onto its output latents (the toy's
+        # supports_images is a per-build property: its editing build is checked when it loads)
+        encodes_sources = hasattr(adapter, "encode_images") and \
+            getattr(adapter, "supports_images", False) is not False
+        if config.training.locality.keep_source_beta > 0 and not encodes_sources:
             raise ConfigError(f"training.locality.keep_source_beta needs the model's latents of "
                               f"the source images (an adapter with encode_images: toy, "
                               f"flux_kontext); the {family} adapter has none: set "

@@ -234,7 +234,7 @@ class FlowModel(Protocol):
         """Write LoRA weights so that the stock diffusers pipeline's ``load_lora_weights(directory)``
         loads them (PEFT-format keys, as ``lora_state_dict`` returns them)."""
 
-    # What the flow policy needs to train ``transformer`` (``pipelines.base.TransformerTraining``
+    # What the flow policy needs to train ``transformer`` (``pipelines.training.TransformerTraining``
     # implements it on diffusers and PEFT for every family). The policy freezes the transformer
     # (``requires_grad_(False)``), then calls these; the KL reference of full fine-tuning is a
     # frozen copy of the module, a refreshed LoRA reference a snapshot of its trainable tensors.

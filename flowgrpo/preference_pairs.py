@@ -119,7 +119,7 @@ def check_pairs_config(config, encodes_images: bool, edits_images: bool) -> None
     family = config.model.family
     if not encodes_images:
         raise ConfigError(f"{FIELD} needs the model to VAE-encode the pairs' images "
-                          f"(encode_images: toy), which the {family} adapter does not do: remove "
+                          f"(encode_images: toy, sd3, flux), which the {family} adapter does not do: remove "
                           f"pairs_file (online pairs only) or use such a family")
     if edits_images:
         raise ConfigError(f"{FIELD}: the {family} family edits source images, and a pair "

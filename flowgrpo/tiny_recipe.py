@@ -52,7 +52,7 @@ TINY_CLIP_PROJECTION = 16
 _PLACEMENT_OPTIONS = {"offload_text_encoders": False, "offload_vae": False,
                       "attention_backend": "sdpa", "text_encoder_dtype": None, "vae_dtype": None}
 # Families whose model is replaced by a tiny build (toy is already tiny and CPU-sized).
-_VIDEO_FAMILIES = ("wan", "wan_i2v")
+_VIDEO_FAMILIES = ("wan", "wan_i2v", "hunyuan_video")
 
 
 def tiny_root(root: str | os.PathLike | None = None) -> Path:

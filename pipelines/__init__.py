@@ -16,8 +16,8 @@ from flowgrpo.checks import choice
 from flowgrpo.dotted import import_dotted
 from flowgrpo.errors import ConfigError
 from flowgrpo.model import Conditioning, FlowModel
-from pipelines.base import check_model_source as check_diffusers_source
-from pipelines.base import parse_options
+from pipelines.sources import check_model_source as check_diffusers_source
+from pipelines.options import parse_options
 
 # family -> "module:Class" of its adapter (each class has a ``from_pretrained`` classmethod and
 # its options dataclass as ``options_class``).
@@ -32,6 +32,7 @@ MODEL_FAMILIES: dict[str, str] = {
     "qwen_image_edit": "pipelines.qwen_image_edit:QwenImageEditModel",
     "qwen_image_edit_plus": "pipelines.qwen_image_edit_plus:QwenImageEditPlusModel",
     "z_image": "pipelines.z_image:ZImageModel",
+    "hunyuan_video": "pipelines.hunyuan_video:HunyuanVideoModel",
     "toy": "pipelines.toy:ToyFlowModel",
 }
 
@@ -51,7 +52,7 @@ def check_model_source(family: str, path_or_hub_id: str | os.PathLike,
                        field: str = "model.path") -> None:
     """One clear ``InputError`` (the model, the likely cause, the fix) when ``family``'s model
     cannot be loaded from ``path_or_hub_id``, before any weights are read
-    (``pipelines.base.check_model_source``); the toy family's folders are checked by its loader."""
+    (``pipelines.sources.check_model_source``); the toy family's folders are checked by its loader."""
     model_class(family)            # an unknown family names the known ones
     if family == "toy":
         return

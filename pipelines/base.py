@@ -1,290 +1,28 @@
-"""Machinery shared by the diffusers-backed adapters (``sd3.py``, ``flux.py``, ``wan.py``).
+"""The common body of the diffusers-backed adapters (``DiffusersFlowModel``): components loaded
+by a family's ``from_pretrained``, the per-prompt embedding cache (``PromptEmbeddingCache``), CPU
+offloading of text encoders and VAE, and the training methods (``pipelines.training``).
 
-The interface they implement, ``FlowModel``, lives in the core (``flowgrpo/model.py``).
+Beside it, by job: ``pipelines/options.py`` (the options every family extends and their parsing),
+``pipelines/sources.py`` (the checks of a model folder or hub id before any weights load) and
+``pipelines/training.py`` (LoRA and full-weight training and saving). The interface they
+implement, ``FlowModel``, lives in the core (``flowgrpo/model.py``).
 """
+
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import importlib.util
-import json
-import os
-import re
-import typing
 from collections import OrderedDict
 from contextlib import contextmanager
-from dataclasses import dataclass, field, fields
-from pathlib import Path
-from typing import Any, Callable, ClassVar, Iterator, Mapping
+from typing import Any, Callable, ClassVar, Iterator
 
 import torch
 from torch import Tensor
 
-from flowgrpo.dtypes import DTYPE_NAMES, parse_dtype
-from flowgrpo.errors import InputError
-from flowgrpo.hub import require_hub_file
 from flowgrpo.model import Conditioning
-
-
-# ================================================================================================
-# Shared machinery of the diffusers-backed adapters (pipelines/sd3.py, flux.py, wan.py): option
-# parsing, folder and size checks done before any weights load, the per-prompt embedding cache,
-# CPU offloading, attention backend, LoRA target checks and LoRA saving. Nothing here samples.
-# ================================================================================================
-ATTENTION_BACKENDS = ("sdpa", "xformers")
-# The file of a checkpoint's LoRA, as the stock pipelines' save_lora_weights / load_lora_weights name it.
-LORA_WEIGHTS_NAME = "pytorch_lora_weights.safetensors"
-_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
-
-
-@dataclass
-class AdapterOptions:
-    """Options every diffusers-backed adapter accepts; each family's options dataclass extends it.
-    Passed to ``load_model(..., options={...})`` as a dict; unknown keys are an error."""
-
-    offload_text_encoders: bool = field(default=False, metadata={"help": (
-        "Keep the text encoders on the CPU and move them to the device only while encoding prompts "
-        "that are not cached yet. Saves their memory (T5-XXL: ~9 GB in bf16) during training.")})
-    offload_vae: bool = field(default=False, metadata={"help": (
-        "Keep the VAE on the CPU and move it to the device only while decoding.")})
-    attention_backend: str = field(default="sdpa", metadata={"help": (
-        "'sdpa' (torch scaled_dot_product_attention, default) or 'xformers' (needs the xformers "
-        "package).")})
-    vae_slicing: bool = field(default=False, metadata={"help": (
-        "Decode one sample at a time (vae.enable_slicing()): lower peak memory for large batches.")})
-    vae_tiling: bool = field(default=False, metadata={"help": (
-        "Decode in overlapping tiles (vae.enable_tiling()): lower peak memory for large media.")})
-    text_encoder_dtype: str | None = field(default=None, metadata={"help": (
-        "dtype of the text encoders: 'float32', 'bfloat16' or 'float16'; None = the model dtype.")})
-    vae_dtype: str | None = field(default=None, metadata={"help": (
-        "dtype of the VAE: 'float32', 'bfloat16' or 'float16'; None = the model dtype.")})
-    prompt_cache_size: int = field(default=256, metadata={"help": (
-        "How many distinct prompts keep their embeddings (least recently used evicted first; the "
-        "negative prompt is always kept). 0 = no cache beyond the current call.")})
-
-    def __post_init__(self) -> None:
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"options.attention_backend must be one of {list(ATTENTION_BACKENDS)} "
-                             f"(got {self.attention_backend!r})")
-        for name in ("text_encoder_dtype", "vae_dtype"):
-            value = getattr(self, name)
-            if value is not None and value not in DTYPE_NAMES:
-                raise ValueError(f"options.{name} must be None or one of {list(DTYPE_NAMES)} "
-                                 f"(got {value!r})")
-        if self.prompt_cache_size < 0:
-            raise ValueError(f"options.prompt_cache_size must be >= 0 (got {self.prompt_cache_size})")
-
-
-def _matches_type(value: Any, hint: Any) -> bool:
-    """isinstance for the plain field types used by option dataclasses (bool, int, float, str,
-    X | None, tuple[...]); bools are not ints here, ints are accepted for floats."""
-    args = typing.get_args(hint)
-    if args and type(None) in args:
-        return value is None or any(_matches_type(value, a) for a in args if a is not type(None))
-    origin = typing.get_origin(hint) or hint
-    if origin is bool:
-        return isinstance(value, bool)
-    if origin is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if origin is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if isinstance(origin, type):
-        return isinstance(value, origin)
-    return True
-
-
-def parse_options(options_class: type, options: Any, family: str) -> Any:
-    """``options`` (None, a dict, or an ``options_class`` instance) as an ``options_class`` instance.
-    Unknown keys and wrongly typed values raise ValueError/TypeError naming the key."""
-    if options is None:
-        return options_class()
-    if isinstance(options, options_class):
-        return options
-    if not isinstance(options, Mapping):
-        raise TypeError(f"options must be a dict or {options_class.__name__} (got {type(options).__name__})")
-    valid = [f.name for f in fields(options_class)]
-    unknown = sorted(set(options) - set(valid))
-    if unknown:
-        raise ValueError(f"unknown {family} option(s) {unknown}; valid options are {valid}")
-    hints = typing.get_type_hints(options_class)
-    for key, value in options.items():
-        if not _matches_type(value, hints[key]):
-            raise TypeError(f"options.{key} must be {hints[key]} (got {value!r})")
-    return options_class(**options)
-
-
-def resolve_size(options: Any, defaults: Mapping[str, int]) -> Any:
-    """``options`` with each size field that is None (height, width, num_frames) set to its
-    default in ``defaults``: the size the family's stock pipeline samples at when given none."""
-    missing = {name: value for name, value in defaults.items() if getattr(options, name) is None}
-    return dataclasses.replace(options, **missing) if missing else options
-
-
-def resolve_dtype(name: str | None, default: torch.dtype) -> torch.dtype:
-    """torch dtype for a name in ``DTYPE_NAMES``; None -> ``default``."""
-    return default if name is None else parse_dtype(name)
-
-
-def text_model_dtype(dtype: torch.dtype) -> dict[str, torch.dtype]:
-    """The dtype keyword of transformers' ``from_pretrained``: ``dtype`` from 4.56 on,
-    ``torch_dtype`` before (where ``dtype`` would be silently ignored)."""
-    import transformers
-
-    major, minor = (int(part) for part in transformers.__version__.split(".")[:2])
-    return {"dtype": dtype} if (major, minor) >= (4, 56) else {"torch_dtype": dtype}
-
-
-def require_attention_backend(backend: str) -> None:
-    """Fail fast (before loading weights) when the chosen attention backend is not installed."""
-    if backend == "xformers" and importlib.util.find_spec("xformers") is None:
-        raise ValueError("options.attention_backend='xformers' needs the xformers package "
-                         "(pip install 'flowgrpo[gpu]'); use attention_backend='sdpa' otherwise")
-
-
-def apply_attention_backend(transformer: torch.nn.Module, backend: str) -> None:
-    """Switch the transformer's attention to ``backend``; 'sdpa' is diffusers' default."""
-    if backend == "sdpa":
-        return
-    processors = transformer.attn_processors.values()
-    if any(hasattr(p, "_attention_backend") for p in processors):
-        transformer.set_attention_backend(backend)          # dispatcher-based processors (FLUX, Wan)
-    else:
-        transformer.enable_xformers_memory_efficient_attention()   # legacy processors (SD3)
-
-
-def is_local_path(path_or_hub_id: str) -> bool:
-    """True for an existing folder or anything that cannot be a hub id ('org/name')."""
-    path = os.path.expanduser(path_or_hub_id)
-    if os.path.isdir(path):
-        return True
-    return not (_HUB_ID.fullmatch(path_or_hub_id) and not path_or_hub_id.startswith("."))
-
-
-def check_pipeline_folder(path_or_hub_id: str, required: Mapping[str, str], family: str) -> None:
-    """Check a local pipeline folder before loading: it exists, has ``model_index.json`` and, for
-    each required component subfolder, the file that proves it is there (``required`` maps
-    subfolder -> file, e.g. {"vae": "config.json"}). Hub ids ('org/name') are left to
-    ``from_pretrained``."""
-    if not isinstance(path_or_hub_id, (str, os.PathLike)):
-        raise TypeError(f"path_or_hub_id must be a str (got {type(path_or_hub_id).__name__})")
-    path_or_hub_id = os.fspath(path_or_hub_id)
-    if not is_local_path(path_or_hub_id):
-        return
-    path = os.path.expanduser(path_or_hub_id)
-    if not os.path.isdir(path):
-        raise ValueError(f"{family} model folder {path_or_hub_id!r} does not exist (and is not a hub id "
-                         "'org/name'); pass a diffusers pipeline folder or a hub id")
-    missing = [] if os.path.isfile(os.path.join(path, "model_index.json")) else ["model_index.json"]
-    missing += [f"{sub}/{name}" for sub, name in required.items()
-                if not os.path.isfile(os.path.join(path, sub, name))]
-    if missing:
-        raise ValueError(f"{family} model folder {path_or_hub_id!r} lacks {missing}; it must be a "
-                         f"diffusers pipeline folder with the components {sorted(required)} "
-                         "(as written by the pipeline's save_pretrained)")
-
-
-def _component_file(class_name: str) -> str | None:
-    """The file a saved component's subfolder must hold, from its class name (None: any)."""
-    if class_name.endswith("Scheduler"):
-        return "scheduler_config.json"
-    if "Tokenizer" in class_name:
-        return "tokenizer_config.json"
-    if "Processor" in class_name or "FeatureExtractor" in class_name:
-        return None
-    return "config.json"
-
-
-def check_model_source(path_or_hub_id: str | os.PathLike, family: str,
-                       field: str = "model.path") -> None:
-    """Fail with one message naming the model, the likely cause and the fix when a diffusers
-    pipeline cannot be loaded from ``path_or_hub_id``: a local folder that does not exist, has
-    no model_index.json or lacks a component's config (an incomplete download), or a hub id
-    whose model_index.json cannot be read (offline without a cached copy, a gated repository
-    without an accepted license and login, a wrong id; ``flowgrpo.hub``). Reads no weights, so a
-    trainer calls it before anything else loads. Raises ``InputError``."""
-    source = os.fspath(path_or_hub_id)
-    what = f"a diffusers pipeline of family {family!r}"
-    if not is_local_path(source):
-        require_hub_file(source, "model_index.json", what=what, field=field)
-        return
-    folder = os.path.expanduser(source)
-    fetch = ("download it with `huggingface-cli download <hub id> --local-dir "
-             f"{source}` (or save a pipeline there with pipe.save_pretrained), or set {field} to "
-             f"the hub id")
-    if not os.path.isdir(folder):
-        raise InputError(f"{field}: {source!r} does not exist and is not a hub id 'owner/name': "
-                         f"give the folder of {what} or its hub id")
-    index = read_model_index(folder)
-    if not index:
-        raise InputError(f"{field}: {source!r} is not a diffusers pipeline folder (it has no "
-                         f"model_index.json): {fetch}")
-    missing = []
-    for name, spec in index.items():
-        if name.startswith("_") or not isinstance(spec, list) or len(spec) != 2 or \
-                spec[0] is None or spec[1] is None:
-            continue
-        sub = os.path.join(folder, name)
-        required = _component_file(str(spec[1]))
-        if not os.path.isdir(sub):
-            missing.append(f"{name}/{required or ''}")
-        elif required is not None and not os.path.isfile(os.path.join(sub, required)):
-            missing.append(f"{name}/{required}")
-    if missing:
-        raise InputError(f"{field}: the pipeline folder {source!r} is incomplete, it lacks "
-                         f"{', '.join(missing)} (an interrupted or partial download): {fetch}")
-
-
-def read_model_index(path_or_hub_id: str) -> dict:
-    """model_index.json of a local folder ({} for a hub id, whose index is not downloaded here)."""
-    index = os.path.join(os.path.expanduser(path_or_hub_id), "model_index.json")
-    if not os.path.isfile(index):
-        return {}
-    with open(index) as handle:
-        return json.load(handle)
-
-
-def check_divisible(value: int, multiple: int, name: str, family: str, why: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"options.{name} must be a positive int (got {value!r})")
-    if value % multiple:
-        lower = max(value - value % multiple, multiple)
-        raise ValueError(f"options.{name} must be divisible by {multiple} for {family} ({why}); "
-                         f"got {value}, try {lower} or {lower + multiple}")
-
-
-def check_lora_targets(transformer: torch.nn.Module, targets: list[str], family: str) -> None:
-    """Every PEFT target name (exact module name or '.'-suffix, PEFT's list matching) must match
-    at least one Linear module; a silent empty match would train nothing."""
-    linear_names = [name for name, module in transformer.named_modules()
-                    if isinstance(module, torch.nn.Linear)]
-    unmatched = [t for t in targets
-                 if not any(name == t or name.endswith("." + t) for name in linear_names)]
-    if unmatched:
-        raise ValueError(f"{family} LoRA target modules {unmatched} match no Linear module of "
-                         f"{type(transformer).__name__}; fix lora_target_modules")
-
-
-def lora_adapter_metadata(transformer: torch.nn.Module) -> dict | None:
-    """The LoraConfig of the transformer's (single) PEFT adapter as a JSON-able dict, so that the
-    loader restores rank *and* alpha (without it diffusers assumes alpha = rank)."""
-    configs = getattr(transformer, "peft_config", None)
-    if not configs:
-        return None
-    if len(configs) > 1:
-        active = getattr(transformer, "active_adapters", None)
-        active = active() if callable(active) else active
-        name = active[0] if active else next(iter(configs))
-    else:
-        name = next(iter(configs))
-    metadata = configs[name].to_dict()
-    return {k: sorted(v) if isinstance(v, set) else v for k, v in metadata.items()}
-
-
-def strip_peft_wrapper_prefix(state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """Keys of ``get_peft_model_state_dict(get_peft_model(transformer))`` start with
-    'base_model.model.'; diffusers expects the transformer's own module names."""
-    prefix = "base_model.model."
-    return {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in state_dict.items()}
+from pipelines.options import apply_attention_backend
+from pipelines.training import (TransformerTraining, check_lora_targets, lora_adapter_metadata,
+                                strip_peft_wrapper_prefix)
 
 
 class PromptEmbeddingCache:
@@ -342,88 +80,6 @@ def cat_rows(rows: list[Tensor]) -> Tensor:
     length = max(r.shape[1] for r in rows)
     return torch.cat([torch.nn.functional.pad(r, (0, 0) * (r.dim() - 2) + (0, length - r.shape[1]))
                       for r in rows])
-
-
-class TransformerTraining:
-    """What the flow policy needs to train an adapter's transformer (``flowgrpo.model.FlowModel``'s
-    training methods), on diffusers models with PEFT: every family's transformer is one.
-    ``denoisers()`` lists the diffusers models inside ``transformer`` (itself; Wan2.2's two
-    experts) and ``trained_denoisers()`` those that train; an adapter with several overrides
-    them and, where its files differ, ``lora_state_dict`` / ``save_full_weights``."""
-
-    transformer: torch.nn.Module
-
-    def denoisers(self, module: torch.nn.Module | None = None) -> list[torch.nn.Module]:
-        """The diffusers models inside ``module`` (default: this adapter's transformer)."""
-        return [self.transformer if module is None else module]
-
-    def trained_denoisers(self) -> list[torch.nn.Module]:
-        """The denoisers that LoRA wraps and full fine-tuning unfreezes."""
-        return self.denoisers()
-
-    def enable_gradient_checkpointing(self) -> None:
-        for denoiser in self.denoisers():
-            denoiser.enable_gradient_checkpointing()
-
-    def train_full_weights(self) -> None:
-        """Full fine-tuning: the weights of the trained denoisers require gradients."""
-        for denoiser in self.trained_denoisers():
-            denoiser.requires_grad_(True)
-
-    def add_lora(self, rank: int, alpha: int, target_modules: list[str], init: str) -> None:
-        """A LoRA adapter (rank, alpha, PEFT target names; ``init`` "gaussian" or "default",
-        PEFT's Kaiming A and zero B) on each trained denoiser."""
-        from peft import LoraConfig   # peft takes seconds to import
-
-        for denoiser in self.trained_denoisers():
-            denoiser.add_adapter(LoraConfig(
-                r=rank, lora_alpha=alpha, target_modules=list(target_modules),
-                init_lora_weights="gaussian" if init == "gaussian" else True))
-
-    def _adapted(self) -> list[torch.nn.Module]:
-        return [d for d in self.denoisers() if getattr(d, "_hf_peft_config_loaded", False)]
-
-    def disable_lora(self) -> None:
-        """Run the base weights (the KL reference of a LoRA run) until ``enable_lora``."""
-        for denoiser in self._adapted():
-            denoiser.disable_adapters()
-
-    def enable_lora(self) -> None:
-        for denoiser in self._adapted():
-            denoiser.enable_adapters()
-
-    def lora_state_dict(self, state_dict: dict[str, Tensor] | None = None) -> dict[str, Tensor]:
-        """The LoRA weights in PEFT's format (what ``save_lora_weights`` takes); ``state_dict``:
-        the transformer's consolidated state under a sharded engine."""
-        from peft import get_peft_model_state_dict   # peft takes seconds to import
-
-        return get_peft_model_state_dict(self.transformer, state_dict=state_dict)
-
-    def save_full_weights(self, folder: str | os.PathLike,
-                          state_dict: dict[str, Tensor] | None = None) -> None:
-        """The full fine-tuned transformer under ``folder/transformer`` (``from_pretrained``-
-        loadable); ``state_dict`` as in ``lora_state_dict``."""
-        save_diffusers_model(self.transformer, Path(folder) / "transformer", state_dict)
-
-
-def save_diffusers_model(module: torch.nn.Module, folder: str | os.PathLike,
-                         state_dict: dict[str, Tensor] | None = None) -> None:
-    """``module.save_pretrained(folder)`` (a diffusers model: config + safetensors weights), with
-    the weights of ``state_dict`` when given. diffusers' ``save_pretrained`` takes no state dict
-    (one passed lands in its ``**kwargs`` unused) and saves the module's own, which under FSDP2
-    holds only this process's shards: the consolidated weights are written here instead, as
-    the single file ``from_pretrained`` reads."""
-    if state_dict is None:
-        module.save_pretrained(folder)
-        return
-    from diffusers.utils import SAFETENSORS_WEIGHTS_NAME
-    from safetensors.torch import save_file
-
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    module.save_config(folder)
-    save_file({name: tensor.detach().contiguous().cpu() for name, tensor in state_dict.items()},
-              str(folder / SAFETENSORS_WEIGHTS_NAME), metadata={"format": "pt"})
 
 
 class DiffusersFlowModel(TransformerTraining):
@@ -515,6 +171,29 @@ class DiffusersFlowModel(TransformerTraining):
     def vae_on_device(self):
         """Context in which the VAE is on ``device`` (moved back when offloaded)."""
         return self._on_device([self.vae], self.options.offload_vae)
+
+    def vae_latents(self, images: list[Tensor]) -> Tensor:
+        """Normalised VAE latents (B, C, H/f, W/f) float32 of images (3, h, w) in [0, 1], each
+        resized to the configured output size when it differs: what a sample of those pixels
+        would be before decoding, for the families whose VAE normalises by shift and scale (SD3,
+        FLUX: the mean of the latent distribution, as the stock image-to-image pipelines do)."""
+        size = (self.options.height, self.options.width)
+        rows = []
+        for image in images:
+            if image.dim() != 3 or image.shape[0] != 3:
+                raise ValueError(f"images must be (3, H, W) floats in [0, 1] (got shape "
+                                 f"{tuple(image.shape)})")
+            image = image.to(self.device, torch.float32)[None]
+            if tuple(image.shape[-2:]) != size:
+                image = torch.nn.functional.interpolate(
+                    image, size=size, mode="bilinear", align_corners=False,
+                    antialias=True).clamp(0, 1)
+            rows.append(image)
+        pixels = torch.cat(rows) * 2.0 - 1.0
+        config = self.vae.config
+        with torch.no_grad(), self.vae_on_device():
+            z = self.vae.encode(pixels.to(self.vae.dtype)).latent_dist.mode()
+        return (z.float() - (config.shift_factor or 0.0)) * config.scaling_factor
 
     def free_text_encoders(self) -> None:
         """Drop the text encoders (e.g. once every training prompt is cached). Encoding a prompt

@@ -25,9 +25,11 @@ from torch import Tensor
 
 from flowgrpo.edit_regions import downsample_mask
 from flowgrpo.model import Conditioning
-from pipelines.base import (AdapterOptions, DiffusersFlowModel, check_divisible,
-                            check_pipeline_folder, parse_options, require_attention_backend,
-                            resolve_dtype, resolve_size, text_model_dtype)
+from pipelines.base import DiffusersFlowModel
+from pipelines.options import (AdapterOptions, check_divisible, parse_options,
+                               require_attention_backend, resolve_dtype, resolve_size,
+                               text_model_dtype)
+from pipelines.sources import check_pipeline_folder
 
 # PEFT targets. Double-stream blocks: image (to_*) and text (add_*_proj, to_add_out) attention
 # projections and both feed-forwards. Single-stream blocks: their q/k/v (matched by the same
@@ -234,6 +236,12 @@ class FluxModel(DiffusersFlowModel):
         """The image tokens the transformer sees, (B, tokens', 4C), and their position ids
         (tokens', 3): here the output tokens alone; Kontext appends its source image's."""
         return latents, self.image_ids.to(self.device)
+
+    def encode_images(self, images: list[Tensor]) -> Tensor:
+        """Packed, normalised VAE latents (B, H/16 * W/16, 4C) of images (3, h, w) in [0, 1],
+        each resized to the output size when it differs (Kontext's source images; Diffusion-DPO's
+        offline preference pairs)."""
+        return pack_latents(self.vae_latents(images)).to(self.dtype)
 
     def decode(self, latents: Tensor) -> Tensor:
         """Images (B, 3, H, W) float32 in [0, 1] from packed latents (B, tokens, 4C)."""

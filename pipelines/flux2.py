@@ -41,10 +41,11 @@ import torch
 from torch import Tensor
 
 from flowgrpo.model import Conditioning, guided_velocity
-from pipelines.base import (AdapterOptions, DiffusersFlowModel, check_divisible,
-                            check_pipeline_folder, is_local_path, parse_options, read_model_index,
-                            require_attention_backend, resolve_dtype, resolve_size,
-                            text_model_dtype)
+from pipelines.base import DiffusersFlowModel
+from pipelines.options import (AdapterOptions, check_divisible, parse_options,
+                               require_attention_backend, resolve_dtype, resolve_size,
+                               text_model_dtype)
+from pipelines.sources import check_pipeline_folder, is_local_path, read_model_index
 from pipelines.flux import (FLUX_DOUBLE_BLOCK_TARGETS, default_size, latent_image_ids,
                             packed_region_mask, unpack_latents)
 

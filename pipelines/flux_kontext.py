@@ -22,11 +22,10 @@ supported: Kontext-dev is guidance-distilled and Flow-GRPO trains it with the em
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from flowgrpo.model import Conditioning
-from pipelines.flux import FluxModel, latent_image_ids, pack_latents
+from pipelines.flux import FluxModel, latent_image_ids
 
 
 class FluxKontextModel(FluxModel):
@@ -41,27 +40,6 @@ class FluxKontextModel(FluxModel):
         ids = latent_image_ids(self.latent_height, self.latent_width)
         ids[:, 0] = 1.0     # the source image's tokens: same grid, first id coordinate 1
         self.source_image_ids = ids.to(self.device)
-
-    def encode_images(self, images: list[Tensor]) -> Tensor:
-        """Packed, normalised VAE latents (B, H/16 * W/16, 4C) of source images (3, h, w) in
-        [0, 1], each resized to the output size when it differs."""
-        size = (self.options.height, self.options.width)
-        rows = []
-        for image in images:
-            if image.dim() != 3 or image.shape[0] != 3:
-                raise ValueError(f"source images must be (3, H, W) floats in [0, 1] (got shape "
-                                 f"{tuple(image.shape)})")
-            image = image.to(self.device, torch.float32)[None]
-            if tuple(image.shape[-2:]) != size:
-                image = F.interpolate(image, size=size, mode="bilinear", align_corners=False,
-                                      antialias=True).clamp(0, 1)
-            rows.append(image)
-        pixels = torch.cat(rows) * 2.0 - 1.0
-        config = self.vae.config
-        with torch.no_grad(), self.vae_on_device():
-            z = self.vae.encode(pixels.to(self.vae.dtype)).latent_dist.mode()
-        z = (z.float() - (config.shift_factor or 0.0)) * config.scaling_factor
-        return pack_latents(z).to(self.dtype)
 
     def encode_prompts(self, prompts: list[str], images: list[Tensor] | None = None) -> Conditioning:
         """FLUX's prompt embeddings plus ``image_latents`` (B, tokens, 4C): one source image per

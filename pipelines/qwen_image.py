@@ -30,10 +30,11 @@ import torch
 from torch import Tensor
 
 from flowgrpo.model import Conditioning, guidance_branches
-from pipelines.base import (AdapterOptions, DiffusersFlowModel, check_divisible,
-                            check_pipeline_folder, parse_options, read_model_index,
-                            require_attention_backend, resolve_dtype, resolve_size,
-                            text_model_dtype)
+from pipelines.base import DiffusersFlowModel
+from pipelines.options import (AdapterOptions, check_divisible, parse_options,
+                               require_attention_backend, resolve_dtype, resolve_size,
+                               text_model_dtype)
+from pipelines.sources import check_pipeline_folder, read_model_index
 from pipelines.flux import pack_latents, packed_region_mask, unpack_latents
 
 # PEFT targets as in Flow-GRPO's Qwen-Image training (scripts/train_qwenimage_edit_plus.py of

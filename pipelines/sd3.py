@@ -22,9 +22,11 @@ import torch
 from torch import Tensor
 
 from flowgrpo.model import Conditioning, guided_velocity
-from pipelines.base import (AdapterOptions, DiffusersFlowModel, check_divisible,
-                            check_pipeline_folder, parse_options, require_attention_backend,
-                            resolve_dtype, resolve_size, text_model_dtype)
+from pipelines.base import DiffusersFlowModel
+from pipelines.options import (AdapterOptions, check_divisible, parse_options,
+                               require_attention_backend, resolve_dtype, resolve_size,
+                               text_model_dtype)
+from pipelines.sources import check_pipeline_folder
 
 # PEFT targets: the joint attention projections of every block, image stream (to_*) and text
 # stream (add_*_proj, to_add_out). The last block has no to_add_out (context_pre_only) and
@@ -187,6 +189,11 @@ class SD3Model(DiffusersFlowModel):
 
         return guided_velocity(forward, hidden, timestep, {k: cond.positive[k] for k in keys},
                                cond.negative if use_cfg else None, guidance_scale)
+
+    def encode_images(self, images: list[Tensor]) -> Tensor:
+        """Latents (B, C, H/8, W/8) of images (3, h, w) in [0, 1] (resized to the output size):
+        ``decode``'s inverse up to the VAE, e.g. for Diffusion-DPO's offline preference pairs."""
+        return self.vae_latents(images).to(self.dtype)
 
     def decode(self, latents: Tensor) -> Tensor:
         """Images (B, 3, H, W) float32 in [0, 1] from latents (B, C, H/8, W/8)."""

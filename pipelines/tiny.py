@@ -28,7 +28,10 @@ structure that the adapters depend on:
   latent statistics (set away from the identity), dev keeps the guidance embedding;
 - Z-Image ("z_image") keeps a real Qwen3 text encoder (its second-to-last layer is what the
   pipeline reads) of the transformer's cap_feat_dim, the main layers and both refiners, and
-  Z-Image-Turbo's static-shift-3 scheduler config.
+  Z-Image-Turbo's static-shift-3 scheduler config;
+- HunyuanVideo ("hunyuan_video") keeps a real Llama text encoder behind a Llama-3-style byte-level
+  BPE in which the pipeline's prompt template splits into the same 95 leading tokens it crops,
+  CLIP's pooled text, the guidance embedding, the token refiner and the causal video VAE.
 """
 from __future__ import annotations
 
@@ -38,7 +41,8 @@ import string
 import torch
 
 TINY_FAMILIES = ("sd3", "flux", "flux_kontext", "wan", "wan22", "qwen_image", "flux2", "flux2_dev",
-                 "wan_i2v", "wan22_i2v", "wan22_ti2v", "z_image", "qwen_image_edit_plus")
+                 "wan_i2v", "wan22_i2v", "wan22_ti2v", "z_image", "qwen_image_edit_plus",
+                 "hunyuan_video")
 
 # Sizes the tests use with the tiny folders (divisible by 16 = VAE factor 8 x patch size 2).
 TINY_HEIGHT = 32
@@ -366,6 +370,91 @@ def build_tiny_wan22_ti2v():
     return WanImageToVideoPipeline(**components, transformer=transformer, expand_timesteps=True)
 
 
+_LLAMA3_SPECIAL_TOKENS = ("<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>",
+                          "<|end_header_id|>", "<|eot_id|>")
+# Llama-3's pre-tokenisation regex (its tokenizer.json): letters with one leading non-letter,
+# digits in threes, punctuation runs, newline runs, spaces.
+_LLAMA3_SPLIT_PATTERN = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
+                         r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+HUNYUAN_VIDEO_TEMPLATE_PREFIX_TOKENS = 95   # DEFAULT_PROMPT_TEMPLATE["crop_start"]
+
+
+def tiny_llama3_tokenizer(model_max_length: int = 4096):
+    """A Llama-3 style byte-level BPE tokenizer (PreTrainedTokenizerFast, Llama-3's split regex,
+    <|begin_of_text|> prepended, padding with <|end_of_text|>): every byte is a token, plus one
+    merged token per pre-token of HunyuanVideo's prompt template, so that the template before
+    the prompt is 95 tokens as with Llama-3's own vocabulary (HunyuanVideoPipeline drops
+    crop_start = 95 tokens by count)."""
+    import re
+
+    from diffusers.pipelines.hunyuan_video.pipeline_hunyuan_video import DEFAULT_PROMPT_TEMPLATE
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(_LLAMA3_SPLIT_PATTERN), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    vocab: dict[str, int] = {token: i for i, token in enumerate(_LLAMA3_SPECIAL_TOKENS)}
+    for character in _byte_to_unicode().values():
+        vocab[character] = len(vocab)
+    merges: list[tuple[str, str]] = []
+    template = DEFAULT_PROMPT_TEMPLATE["template"].replace("{}", "")
+    for chunk in re.split(r"(<\|[a-z_]+\|>)", template):
+        if not chunk or chunk in _LLAMA3_SPECIAL_TOKENS:
+            continue
+        for word, _ in pre_tokenizer.pre_tokenize_str(chunk):
+            for end in range(2, len(word) + 1):
+                if word[:end] not in vocab:
+                    vocab[word[:end]] = len(vocab)
+                    merges.append((word[:end - 1], word[end - 1]))
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    backend.pre_tokenizer = pre_tokenizer
+    backend.decoder = decoders.ByteLevel()
+    backend.post_processor = processors.TemplateProcessing(
+        single="<|begin_of_text|> $A", pair="<|begin_of_text|> $A <|begin_of_text|> $B",
+        special_tokens=[("<|begin_of_text|>", 0)])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token="<|begin_of_text|>", eos_token="<|end_of_text|>",
+        pad_token="<|end_of_text|>", additional_special_tokens=list(_LLAMA3_SPECIAL_TOKENS[2:]),
+        model_max_length=model_max_length)
+
+
+def build_tiny_hunyuan_video():
+    """HunyuanVideoPipeline with tiny random components (HunyuanVideo layout: a 3-layer Llama text
+    encoder whose third-to-last hidden states the pipeline reads, behind the tiny Llama-3 tokenizer
+    with the 95-token template prefix; a CLIP text model whose pooled output is the transformer's
+    pooled projection; the transformer's token refiner, double and single blocks, guidance
+    embedding and 3-axis RoPE; the 4x temporal / 8x spatial causal VAE; a static-shift flow
+    scheduler with shift 7, as hunyuanvideo-community/HunyuanVideo ships)."""
+    from diffusers import (AutoencoderKLHunyuanVideo, FlowMatchEulerDiscreteScheduler,
+                           HunyuanVideoPipeline, HunyuanVideoTransformer3DModel)
+    from transformers import CLIPTextModel, LlamaConfig, LlamaModel
+
+    llama_width, clip_width = 32, 16
+    transformer = HunyuanVideoTransformer3DModel(
+        in_channels=16, out_channels=16, num_attention_heads=2, attention_head_dim=16,
+        num_layers=1, num_single_layers=1, num_refiner_layers=1, patch_size=2, patch_size_t=1,
+        guidance_embeds=True, text_embed_dim=llama_width, pooled_projection_dim=clip_width,
+        rope_axes_dim=(4, 6, 6))   # sums to the head width 16, as (16, 56, 56) sums to 128
+    tokenizer = tiny_llama3_tokenizer()
+    special = {token: tokenizer.convert_tokens_to_ids(token) for token in _LLAMA3_SPECIAL_TOKENS}
+    text_encoder = LlamaModel(LlamaConfig(
+        vocab_size=len(tokenizer), hidden_size=llama_width, intermediate_size=2 * llama_width,
+        num_hidden_layers=3, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+        max_position_embeddings=tokenizer.model_max_length,
+        bos_token_id=special["<|begin_of_text|>"], eos_token_id=special["<|end_of_text|>"],
+        pad_token_id=special["<|end_of_text|>"])).eval()
+    tokenizer_2 = tiny_clip_tokenizer()
+    text_encoder_2 = CLIPTextModel(_clip_text_config(tokenizer_2, clip_width)).eval()
+    vae = AutoencoderKLHunyuanVideo(
+        latent_channels=16, block_out_channels=(8, 8, 16, 16), layers_per_block=1,
+        norm_num_groups=4, mid_block_add_attention=False)
+    return HunyuanVideoPipeline(
+        text_encoder=text_encoder, tokenizer=tokenizer, transformer=transformer, vae=vae,
+        scheduler=FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=7.0),
+        text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2)
+
+
 # Qwen-Image's prompt template splits into these words with Qwen's tokenizer; giving the tiny BPE
 # one token per word reproduces its 34-token template prefix (QwenImagePipeline drops it by count).
 _QWEN_TEMPLATE_WORDS = ("system", "user", "Describe") + tuple(
@@ -492,11 +581,12 @@ def build_tiny_flux_kontext():
 
 # Qwen3's chat template, reduced to what Flux2KleinPipeline sends (one user turn, the generation
 # prompt, thinking switched off: Qwen3's empty think block).
+# (No "{%-" after a newline: it would strip the newline Qwen3's own template keeps.)
 QWEN3_CHAT_TEMPLATE = (
-    "{%- for message in messages %}<|im_start|>{{ message.role }}\n{{ message.content }}"
-    "<|im_end|>\n{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant\n"
-    "{%- if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
-    "{%- endif %}{%- endif %}")
+    "{% for message in messages %}<|im_start|>{{ message.role }}\n{{ message.content }}"
+    "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+    "{% endif %}{% endif %}")
 # Flux2KleinPipeline reads the hidden states after Qwen3 layers 9, 18 and 27.
 FLUX2_KLEIN_TEXT_LAYERS = 27
 
@@ -650,7 +740,7 @@ _BUILDERS = {"sd3": build_tiny_sd3, "flux": build_tiny_flux, "wan": build_tiny_w
              "flux2": build_tiny_flux2, "flux2_dev": build_tiny_flux2_dev,
              "wan_i2v": build_tiny_wan_i2v, "wan22_i2v": build_tiny_wan22_i2v,
              "wan22_ti2v": build_tiny_wan22_ti2v,
-             "z_image": build_tiny_z_image}
+             "z_image": build_tiny_z_image, "hunyuan_video": build_tiny_hunyuan_video}
 
 
 def build_tiny(family: str, seed: int = 0, transformer_size: tuple[int, int] | None = None):

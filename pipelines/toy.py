@@ -32,7 +32,8 @@ from torch import Tensor
 from flowgrpo.edit_regions import downsample_mask
 from flowgrpo.model import Conditioning, guided_velocity
 from flowgrpo.toyworld.grammar import VOCABULARY
-from pipelines.base import TransformerTraining, lora_adapter_metadata, parse_options
+from pipelines.options import parse_options
+from pipelines.training import TransformerTraining, lora_adapter_metadata
 
 TOY_CONFIG_NAME = "toy_config.json"
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[BOS]", "[EOS]")   # ids 0..3; EOS != 2 (CLIP's legacy pooling)

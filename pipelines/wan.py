@@ -35,10 +35,12 @@ import torch
 from torch import Tensor
 
 from flowgrpo.model import Conditioning, guided_velocity
-from pipelines.base import (LORA_WEIGHTS_NAME, AdapterOptions, DiffusersFlowModel,
-                            check_divisible, check_pipeline_folder, is_local_path, parse_options,
-                            read_model_index, require_attention_backend, resolve_dtype,
-                            resolve_size, text_model_dtype)
+from pipelines.base import DiffusersFlowModel
+from pipelines.options import (AdapterOptions, check_divisible, parse_options,
+                               require_attention_backend, resolve_dtype, resolve_size,
+                               text_model_dtype)
+from pipelines.sources import check_pipeline_folder, is_local_path, read_model_index
+from pipelines.training import LORA_WEIGHTS_NAME
 from pipelines.wan22 import (EXPERT_NAMES, LOW_NOISE_LORA_WEIGHTS_NAME, TRAIN_EXPERTS, WanExperts,
                              check_pipeline_index, check_wan22_options, expert_state,
                              save_expert_lora, save_experts_full)

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from pipelines.base import (LORA_WEIGHTS_NAME, lora_adapter_metadata, save_diffusers_model,
-                            strip_peft_wrapper_prefix)
+from pipelines.training import (LORA_WEIGHTS_NAME, lora_adapter_metadata, save_diffusers_model,
+                                strip_peft_wrapper_prefix)
 
 # Wan2.2's LoRA files: the high-noise expert's under diffusers' default name (``load_lora_weights
 # (folder)`` puts it into ``transformer``), the low-noise expert's under its own name (loaded with

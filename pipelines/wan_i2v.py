@@ -51,8 +51,9 @@ import torch
 from torch import Tensor
 
 from flowgrpo.model import Conditioning, guided_velocity
-from pipelines.base import (check_pipeline_folder, parse_options, require_attention_backend,
-                            resolve_dtype, text_model_dtype)
+from pipelines.options import (parse_options, require_attention_backend, resolve_dtype,
+                               text_model_dtype)
+from pipelines.sources import check_pipeline_folder
 from pipelines.wan import WanModel, WanOptions, _check_sizes, load_scheduler, read_pipeline_index, video_size
 from pipelines.wan22 import WanExperts, check_wan22_options, component_present
 

@@ -30,10 +30,11 @@ from torch import Tensor
 
 from flowgrpo.model import Conditioning, guidance_branches
 from flowgrpo.sde import calculate_shift
-from pipelines.base import (AdapterOptions, DiffusersFlowModel, check_divisible,
-                            check_pipeline_folder, parse_options, read_model_index,
-                            require_attention_backend, resolve_dtype, resolve_size,
-                            text_model_dtype)
+from pipelines.base import DiffusersFlowModel
+from pipelines.options import (AdapterOptions, check_divisible, parse_options,
+                               require_attention_backend, resolve_dtype, resolve_size,
+                               text_model_dtype)
+from pipelines.sources import check_pipeline_folder, read_model_index
 from pipelines.qwen_image import _fit_text, _text_length
 from pipelines.sd3 import SD3Model
 

@@ -48,6 +48,7 @@ tiny_wan_i2v_dir = _tiny_build("wan_i2v")   # Wan2.1 I2V: CLIP image encoder
 tiny_wan22_i2v_dir = _tiny_build("wan22_i2v")   # Wan2.2-I2V-A14B: two experts (boundary 0.9)
 tiny_wan22_ti2v_dir = _tiny_build("wan22_ti2v")   # Wan2.2-TI2V-5B: expand_timesteps, Wan2.2 VAE
 tiny_z_image_dir = _tiny_build("z_image")   # Z-Image(-Turbo): Qwen3 text, Turbo's shift-3 scheduler
+tiny_hunyuan_video_dir = _tiny_build("hunyuan_video")   # HunyuanVideo: Llama + CLIP text, guidance embedding
 
 
 @pytest.fixture(scope="session")

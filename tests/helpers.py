@@ -201,6 +201,30 @@ def tiny_data(model_path: str, root: Path, **sections: dict) -> dict:
     return data
 
 
+def family_config(family: str, path: str, tmp_path: Path, options: dict, *overrides: str,
+                  guidance_scale: float = 1.0, iterations: int = 1, num_steps: int = 4,
+                  prompts: str | None = None) -> TrainConfig:
+    """A two-prompt LoRA (rank 2) run of a diffusers family's tiny build with the Brightness
+    reward, no evaluation and no checkpoints: what each family's tests train with. ``prompts``:
+    a prompt file (default: two prompts written to ``tmp_path``)."""
+    if prompts is None:
+        prompts = str(tmp_path / "prompts.txt")
+        Path(prompts).write_text("a red square\na blue circle\n")
+    return load_config(data={
+        "name": family,
+        "model": {"family": family, "path": path, "options": dict(options),
+                  "lora": {"rank": 2, "alpha": 4}},
+        "prompts": {"train": prompts, "eval": None},
+        "sampling": {"num_steps": num_steps, "rollout_batch_size": 2,
+                     "guidance_scale": guidance_scale},
+        "training": {"prompts_per_iteration": 2, "group_size": 2, "lr": 1e-3,
+                     "skip_zero_std_groups": False},
+        "rewards": {"components": [{"name": "tests.helpers:Brightness"}], "threaded": False},
+        "run": {"output_dir": str(tmp_path / "runs"), "max_iterations": iterations,
+                "tracker": "none", "progress": False, "checkpoint_every": 0, "eval_every": 0},
+    }, overrides=list(overrides))
+
+
 def tiny_config(path: str, tmp_path: Path, *overrides: str) -> TrainConfig:
     """``tiny_data``'s config with dotted ``overrides``."""
     return load_config(data=tiny_data(path, tmp_path), overrides=list(overrides))

@@ -47,7 +47,8 @@ def test_registry_names_and_kinds():
 FAMILY_RECIPES = {"sd3": "sd3_pickscore", "flux": "flux_flowgrpo", "flux_kontext": "kontext_edit",
                   "qwen_image": "qwen_image_ocr", "wan": "wan_video", "wan_i2v": "wan_i2v_pickscore",
                   "flux2": "flux2_klein_pickscore",
-                  "qwen_image_edit_plus": "qwen_image_edit_plus_pickscore", "z_image": "z_image_turbo_pickscore"}
+                  "qwen_image_edit_plus": "qwen_image_edit_plus_pickscore", "z_image": "z_image_turbo_pickscore",
+                  "hunyuan_video": "hunyuan_video_dance_grpo"}
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from flowgrpo.config import ConfigError, load_config
 from flowgrpo.engines import preflight_engine
 from flowgrpo.trainer import Trainer
-from pipelines.base import LORA_WEIGHTS_NAME
+from pipelines.training import LORA_WEIGHTS_NAME
 from tests.helpers import launch, train_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -118,7 +118,7 @@ def test_a_full_fine_tune_publishes_the_consolidated_weights_it_is_given(tiny_sd
     quietly ignore it), and still load with from_pretrained."""
     from diffusers import SD3Transformer2DModel
 
-    from pipelines.base import save_diffusers_model
+    from pipelines.training import save_diffusers_model
 
     module = SD3Transformer2DModel.from_pretrained(tiny_sd3_path, subfolder="transformer")
     consolidated = {name: tensor + 1.0 for name, tensor in module.state_dict().items()}

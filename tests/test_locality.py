@@ -716,6 +716,10 @@ def test_keep_source_needs_an_adapter_that_encodes_images(tmp_path):
     config.model.family = "qwen_image_edit"
     with pytest.raises(ConfigError, match="keep_source_beta needs the model's latents"):
         FlowPolicy.check_config(config)
+    config.model.family = "sd3"     # encodes images (offline DPO pairs) but edits none
+    assert hasattr(model_class("sd3"), "encode_images")
+    with pytest.raises(ConfigError, match="keep_source_beta needs the model's latents"):
+        FlowPolicy.check_config(config)
 
 
 def test_keep_source_regresses_the_preservation_region_onto_the_source(edit_dir, tmp_path,

@@ -18,6 +18,7 @@ from pipelines.flux import pack_latents, unpack_latents
 from pipelines.flux2 import (FLUX2_DOUBLE_BLOCK_TARGETS, empirical_mu, flux2_lora_target_modules,
                              image_position_ids, text_position_ids)
 from tests.pipeline_helpers import CallCounter, fail_on_weight_loading, perturb_lora
+from tests.helpers import family_config
 
 PROMPTS = ["a red cube", "two green spheres on a table"]
 NUM_STEPS = 3
@@ -273,21 +274,8 @@ def test_errors_are_raised_before_weights_load(tiny_flux2_dir, tmp_path, monkeyp
 
 # ------------------------------------------------------------------------------- training
 def _train_config(path, tmp_path, *overrides: str, iterations: int = 1, options: dict = OPTIONS):
-    from flowgrpo.config import load_config
-
-    (tmp_path / "prompts.txt").write_text("a red square\na blue circle\n")
-    return load_config(data={
-        "name": "flux2",
-        "model": {"family": "flux2", "path": path, "options": dict(options),
-                  "lora": {"rank": 2, "alpha": 4}},
-        "prompts": {"train": str(tmp_path / "prompts.txt"), "eval": None},
-        "sampling": {"num_steps": 4, "rollout_batch_size": 2, "guidance_scale": 4.0},
-        "training": {"prompts_per_iteration": 2, "group_size": 2, "lr": 1e-3,
-                     "skip_zero_std_groups": False},
-        "rewards": {"components": [{"name": "tests.helpers:Brightness"}], "threaded": False},
-        "run": {"output_dir": str(tmp_path / "runs"), "max_iterations": iterations, "tracker": "none",
-                "progress": False, "checkpoint_every": 0, "eval_every": 0},
-    }, overrides=list(overrides))
+    return family_config("flux2", path, tmp_path, options, *overrides, guidance_scale=4.0,
+                         iterations=iterations)
 
 
 def test_trained_checkpoint_is_on_policy_first_and_loads_into_stock_pipeline(tiny_flux2_dir,
@@ -412,3 +400,20 @@ def test_tiny_recipes_pick_the_variants_build():
     assert tiny_build_name("flux2", "black-forest-labs/FLUX.2-dev") == "flux2_dev"
     assert tiny_build_name("flux2", "black-forest-labs/FLUX.2-klein-base-9B") == "flux2"
     assert tiny_build_name("flux2", "black-forest-labs/FLUX.2-klein-4B") == "flux2"
+
+
+def test_the_tiny_qwen3_chat_template_renders_qwen3s_format():
+    """The tiny builds' Qwen3 chat template (FLUX.2-klein, Z-Image) keeps the newlines of
+    Qwen3's own: <|im_end|>\\n<|im_start|>assistant\\n, and the empty think block when thinking
+    is off."""
+    import jinja2
+
+    from pipelines.tiny import QWEN3_CHAT_TEMPLATE
+
+    template = jinja2.Template(QWEN3_CHAT_TEMPLATE)
+    messages = [{"role": "user", "content": "a red cube"}]
+    assert template.render(messages=messages, add_generation_prompt=True) == \
+        "<|im_start|>user\na red cube<|im_end|>\n<|im_start|>assistant\n"
+    assert template.render(messages=messages, add_generation_prompt=True,
+                           enable_thinking=False) == \
+        "<|im_start|>user\na red cube<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"

@@ -227,21 +227,10 @@ def test_errors_are_raised_before_weights_load(tiny_qwen_image_dir, tmp_path, mo
 
 # ------------------------------------------------------------------------------- training
 def _train_config(path, tmp_path, *overrides: str, iterations: int = 1):
-    from flowgrpo.config import load_config
+    from tests.helpers import family_config
 
-    (tmp_path / "prompts.txt").write_text("a red square\na blue circle\n")
-    return load_config(data={
-        "name": "qwen_image",
-        "model": {"family": "qwen_image", "path": path, "options": dict(OPTIONS),
-                  "lora": {"rank": 2, "alpha": 4}},
-        "prompts": {"train": str(tmp_path / "prompts.txt"), "eval": None},
-        "sampling": {"num_steps": 4, "rollout_batch_size": 2, "guidance_scale": 4.0},
-        "training": {"prompts_per_iteration": 2, "group_size": 2, "lr": 1e-3,
-                     "skip_zero_std_groups": False},
-        "rewards": {"components": [{"name": "tests.helpers:Brightness"}], "threaded": False},
-        "run": {"output_dir": str(tmp_path / "runs"), "max_iterations": iterations, "tracker": "none",
-                "progress": False, "checkpoint_every": 0, "eval_every": 0},
-    }, overrides=list(overrides))
+    return family_config("qwen_image", path, tmp_path, OPTIONS, *overrides, guidance_scale=4.0,
+                         iterations=iterations)
 
 
 def _plans() -> dict[str, list[str]]:

@@ -199,7 +199,7 @@ def test_lora_targets_match_real_module_names(sd3):
 
 
 def test_unmatched_lora_target_is_an_error(sd3):
-    from pipelines.base import check_lora_targets
+    from pipelines.training import check_lora_targets
 
     with pytest.raises(ValueError, match="attn.to_qq"):
         check_lora_targets(sd3.transformer, ["attn.to_q", "attn.to_qq"], "sd3")
@@ -278,7 +278,7 @@ def test_xformers_without_the_package_is_a_clear_error(tiny_sd3_dir, monkeypatch
 
 
 def test_hub_ids_are_left_to_from_pretrained_and_paths_are_checked():
-    from pipelines.base import is_local_path
+    from pipelines.sources import is_local_path
 
     assert not is_local_path("stabilityai/stable-diffusion-3.5-medium")
     assert not is_local_path("Wan-AI/Wan2.1-T2V-1.3B-Diffusers")

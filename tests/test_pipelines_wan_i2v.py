@@ -16,6 +16,7 @@ from flowgrpo.model import FlowModel
 from flowgrpo.pixels import to_uint8
 from flowgrpo.rollout import sample_ode
 from pipelines import load_model
+from tests.helpers import family_config
 from tests.pipeline_helpers import (TINY_MAX_SEQUENCE_LENGTH, VIDEO_OPTIONS, fail_on_weight_loading,
                                     perturb_lora)
 
@@ -185,25 +186,14 @@ def test_a_text_to_video_transformer_is_refused(tiny_wan_dir, tiny_wan_i2v_dir, 
 def _train_config(path, tmp_path, *overrides: str, iterations: int = 1, guidance_scale: float = 5.0,
                   options: dict | None = None):
     """Two JSONL records with source images (written to tmp_path), LoRA rank 2, 3 steps."""
-    from flowgrpo.config import load_config
-
     lines = []
     for i, prompt in enumerate(PROMPTS):
         Image.fromarray(to_uint8(_source(i))).save(tmp_path / f"{i}.png")
         lines.append(json.dumps({"prompt": prompt, "image": f"{i}.png"}))
     (tmp_path / "i2v.jsonl").write_text("\n".join(lines) + "\n")
-    return load_config(data={
-        "name": "wan_i2v",
-        "model": {"family": "wan_i2v", "path": path, "options": options or VIDEO_OPTIONS,
-                  "lora": {"rank": 2, "alpha": 4}},
-        "prompts": {"train": str(tmp_path / "i2v.jsonl"), "eval": None},
-        "sampling": {"num_steps": NUM_STEPS, "rollout_batch_size": 2, "guidance_scale": guidance_scale},
-        "training": {"prompts_per_iteration": 2, "group_size": 2, "lr": 1e-3,
-                     "skip_zero_std_groups": False},
-        "rewards": {"components": [{"name": "tests.helpers:Brightness"}], "threaded": False},
-        "run": {"output_dir": str(tmp_path / "runs"), "max_iterations": iterations, "tracker": "none",
-                "progress": False, "checkpoint_every": 0, "eval_every": 0},
-    }, overrides=list(overrides))
+    return family_config("wan_i2v", path, tmp_path, options or VIDEO_OPTIONS, *overrides,
+                         guidance_scale=guidance_scale, iterations=iterations,
+                         num_steps=NUM_STEPS, prompts=str(tmp_path / "i2v.jsonl"))
 
 
 def test_first_pass_ratio_is_exactly_one_and_lora_loads_in_the_stock_pipeline(tiny_wan_i2v_dir, tmp_path):

@@ -16,6 +16,7 @@ from flowgrpo.model import Conditioning, FlowModel
 from pipelines import load_model
 from pipelines.z_image import Z_IMAGE_LORA_TARGET_MODULES, z_image_guidance
 from tests.pipeline_helpers import CallCounter, fail_on_weight_loading, perturb_lora
+from tests.helpers import family_config
 
 PROMPTS = ["a red cube", "two green spheres on a long wooden table"]
 NUM_STEPS = 3
@@ -257,21 +258,8 @@ def test_errors_are_raised_before_weights_load(tiny_z_image_dir, tmp_path, monke
 
 # ------------------------------------------------------------------------------- training
 def _train_config(path, tmp_path, *overrides: str, iterations: int = 1):
-    from flowgrpo.config import load_config
-
-    (tmp_path / "prompts.txt").write_text("a red square\na blue circle\n")
-    return load_config(data={
-        "name": "z_image",
-        "model": {"family": "z_image", "path": path, "options": dict(OPTIONS),
-                  "lora": {"rank": 2, "alpha": 4}},
-        "prompts": {"train": str(tmp_path / "prompts.txt"), "eval": None},
-        "sampling": {"num_steps": 4, "rollout_batch_size": 2, "guidance_scale": 5.0},
-        "training": {"prompts_per_iteration": 2, "group_size": 2, "lr": 1e-3,
-                     "skip_zero_std_groups": False},
-        "rewards": {"components": [{"name": "tests.helpers:Brightness"}], "threaded": False},
-        "run": {"output_dir": str(tmp_path / "runs"), "max_iterations": iterations, "tracker": "none",
-                "progress": False, "checkpoint_every": 0, "eval_every": 0},
-    }, overrides=list(overrides))
+    return family_config("z_image", path, tmp_path, OPTIONS, *overrides, guidance_scale=5.0,
+                         iterations=iterations)
 
 
 def test_first_pass_ratio_is_one_with_turbos_window(tiny_z_image_dir, tmp_path):

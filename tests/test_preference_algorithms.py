@@ -273,11 +273,15 @@ def test_flowgrpo_train_refuses_a_broken_pairs_file_before_the_model(tmp_path, c
 
 
 def test_pairs_file_refusals_name_the_field(tiny_sd3_path, toy_dir, tmp_path):
+    from flowgrpo.flow_policy import FlowPolicy
+
     path = write_pairs(tmp_path / "pairs", 2)
-    # a family whose adapter cannot VAE-encode images
+    # SD3 encodes images (sd3.encode_images); a family whose adapter cannot is refused
+    config = tiny_config(tiny_sd3_path, tmp_path, *_algorithm("dpo"),
+                         f"training.dpo.pairs_file={path}")
+    config.model.family = "qwen_image"
     with pytest.raises(InputError, match="training.dpo.pairs_file needs the model to VAE-encode"):
-        tiny_config(tiny_sd3_path, tmp_path, *_algorithm("dpo"),
-                    f"training.dpo.pairs_file={path}")
+        FlowPolicy.check_config(config)
     with pytest.raises(InputError, match="training.dpo.pairs_file is set but training.algorithm"):
         _toy(toy_dir, tmp_path, "training.algorithm=dgpo", f"training.dpo.pairs_file={path}")
     with pytest.raises(InputError, match="skip_zero_std_groups"):
@@ -410,3 +414,25 @@ def test_offline_pairs_train_and_raise_the_implicit_margin(toy_dir, tmp_path):
     assert margin > 1e-3, margin
     assert history[-1]["train/offline_implicit_margin"] > 0
     assert history[-1]["train/implicit_accuracy"] > 0.5
+
+
+def test_offline_pairs_on_sd3_start_at_log_two(tiny_sd3_path, tmp_path):
+    """SD3 takes a preference file: its encode_images resizes the pairs' 24 px images to the
+    configured size and VAE-encodes them; LoRA starts at zero, so the policy is the reference and
+    every pair, offline or online, has loss log 2 before the first step."""
+    path = write_pairs(tmp_path / "pairs", 2)
+    config = tiny_config(tiny_sd3_path, tmp_path, "run.max_iterations=1", "run.progress=false",
+                         "run.comparison_grid=false", "prompts.eval=null", "sampling.num_steps=3",
+                         *_algorithm("dpo"), f"training.dpo.pairs_file={path}",
+                         "training.dpo.pairs_per_iteration=2")
+    trainer = Trainer(config)
+    size = (config.model.options["height"], config.model.options["width"]) \
+        if "height" in config.model.options else None
+    latents = trainer.model.encode_images([load_image(p.chosen) for p in read_pairs_file(path)])
+    assert latents.shape[0] == 2 and latents.shape[1:] == trainer.model.initial_noise(
+        1, torch.Generator().manual_seed(0)).shape[1:]
+    assert size is None or latents.shape[-2:] == tuple(x // 8 for x in size)
+    train = [h for h in trainer.train() if h["phase"] == "train"]
+    assert train[0]["train/policy_loss"] == pytest.approx(math.log(2.0), abs=1e-6)
+    assert train[0]["train/offline_implicit_margin"] == 0.0
+    assert train[0]["train/optimizer_steps"] == 1

@@ -33,6 +33,7 @@ SHIPPED = {
     "qwen_image_edit_plus_pickscore": (2, 8),   # Flow-Factory grpo/lora/qwen_image_edit_plus: 8
     "wan_i2v_pickscore": (2, 8),   # Flow-Factory grpo/lora/wan21/i2v: 8 processes
     "z_image_turbo_pickscore": (2, 8),   # Flow-Factory grpo/lora/z_image_turbo: 8 processes
+    "hunyuan_video_dance_grpo": (2, 32),   # DanceGRPO finetune_hunyuan_grpo.sh: 4 nodes x 8 GPUs
 }
 # The sample-based algorithms' recipes: (optimiser steps per epoch, the anchor's process count).
 SAMPLE_SHIPPED = {
@@ -52,6 +53,9 @@ ANCHOR_ACCUMULATION = {"sd3_ocr": 2 * 9, "sd3_pickscore": 2 * 9, "sd3_fast_cps":
                        "wan_i2v_pickscore": 48 * 1,   # the same layout (wan21/i2v.yaml)
                        # Flow-Factory: 96 one-sample batches x 1 SDE step, 2 steps an epoch
                        "z_image_turbo_pickscore": 48 * 1,
+                       # 24 one-video rollouts x 9 trained steps, 2 steps an epoch (DanceGRPO:
+                       # its best 4 + worst 4 of the 24 x 9 steps, accumulation 4 -> 4 * 9)
+                       "hunyuan_video_dance_grpo": 24 * 9 // 2,
                        # DiffusionNFT: 16 sample batches x 9 timesteps a step
                        "sd3_nft_pickscore": 16 * 9,
                        # DGPO: 12 micro-batches of half a group x 4 levels there; whole groups

@@ -20,6 +20,7 @@ STOCK = {
     "z_image": ("ZImagePipeline", "guidance_scale", lambda s: s + 1.0),   # pos + s (pos - neg)
     "flux2": ("Flux2KleinPipeline", "guidance_scale", lambda s: s),
     "flux_kontext": ("FluxKontextPipeline", "guidance_scale", lambda s: s),
+    "hunyuan_video": ("HunyuanVideoPipeline", "guidance_scale", lambda s: s),   # guidance embedding
 }
 # Flow-GRPO's evaluation settings, deliberately not the pipelines' (28 steps / 7.0 for SD3).
 ANCHOR_SETTINGS = {"sd3": (40, 4.5), "flux": (28, 3.5)}

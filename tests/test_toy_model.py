@@ -212,7 +212,7 @@ def test_lora_weights_round_trip_through_diffusers_loader(tiny, tmp_path):
 
 
 def test_the_training_methods_switch_what_trains_and_what_runs(tiny_dir):
-    """FlowModel's training methods (pipelines.base.TransformerTraining, as for every family):
+    """FlowModel's training methods (pipelines.training.TransformerTraining, as for every family):
     add_lora leaves only the adapter trainable, disable_lora runs the base weights exactly and
     enable_lora the adapter again, lora_state_dict holds the adapter's tensors, and
     train_full_weights unfreezes the transformer."""
