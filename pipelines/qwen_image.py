@@ -188,12 +188,7 @@ class QwenImageModel(DiffusersFlowModel):
         brought to one length L (the longest prompt among them, zero-padded, mask 0), so that both
         CFG branches run in one batched forward. positive/negative: {"prompt_embeds": (B, L, D),
         "prompt_embeds_mask": (B, L)}."""
-        cond = super().encode_prompts(prompts)
-        branches = [cond.positive] + ([cond.negative] if cond.negative is not None else [])
-        length = max(_text_length(b["prompt_embeds_mask"]) for b in branches)
-        positive = _fit_text(cond.positive, length)
-        negative = _fit_text(cond.negative, length) if cond.negative is not None else None
-        return Conditioning(positive=positive, negative=negative, extra=dict(cond.extra))
+        return one_text_length(super().encode_prompts(prompts))
 
     # ---------------------------------------------------------------------------- FlowModel
     @property
@@ -281,6 +276,26 @@ class QwenImageModel(DiffusersFlowModel):
         with self.vae_on_device():
             images = self.vae.decode(z.to(self.vae.dtype), return_dict=False)[0][:, :, 0]
         return (images.float() * 0.5 + 0.5).clamp(0.0, 1.0)
+
+
+def one_text_length(cond: Conditioning) -> Conditioning:
+    """``cond`` with its positive and negative text ({"prompt_embeds": (B, L_i, D),
+    "prompt_embeds_mask": (B, L_i)}) brought to one length L, the longest real text among them
+    (zero-padded, mask 0), so that both CFG branches stack into one batch."""
+    branches = [cond.positive] + ([cond.negative] if cond.negative is not None else [])
+    length = max(_text_length(b["prompt_embeds_mask"]) for b in branches)
+    negative = _fit_text(cond.negative, length) if cond.negative is not None else None
+    return Conditioning(positive=_fit_text(cond.positive, length), negative=negative,
+                        extra=dict(cond.extra))
+
+
+def stacked_text(branches: list[list[dict[str, Tensor]]]) -> list[dict[str, Tensor]]:
+    """Per CFG branch, its rows' texts (each {"prompt_embeds": (1, L_i, D), "prompt_embeds_mask":
+    (1, L_i)}) stacked into (B, L, ...) at one length L for every branch: the editing adapters,
+    which encode each row with its own images."""
+    length = max(_text_length(row["prompt_embeds_mask"]) for rows in branches for row in rows)
+    return [{key: torch.cat([_fit_text(row, length)[key] for row in rows])
+             for key in ("prompt_embeds", "prompt_embeds_mask")} for rows in branches]
 
 
 def _text_length(mask: Tensor) -> int:

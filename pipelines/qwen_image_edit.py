@@ -24,7 +24,7 @@ from torch import Tensor
 
 from flowgrpo.model import Conditioning, check_source_images, guidance_branches
 from pipelines.flux import pack_latents
-from pipelines.qwen_image import QwenImageModel, _fit_text, _text_length, true_cfg
+from pipelines.qwen_image import QwenImageModel, _text_length, stacked_text, true_cfg
 
 # QwenImageEditPipeline resizes every source image to about this many pixels.
 SOURCE_AREA = 1024 * 1024
@@ -87,12 +87,9 @@ class QwenImageEditModel(QwenImageModel):
         with torch.no_grad(), self.vae_on_device():
             z = pipe._encode_vae_image(pixels.to(self.vae.dtype), generator=None)
         image_latents = pack_latents(z[:, :, 0].float()).to(self.dtype)
-        branches = [positive] + ([negative] if negative else [])
-        length = max(_text_length(row["prompt_embeds_mask"]) for rows in branches for row in rows)
-        stack = lambda rows: {k: torch.cat([_fit_text(r, length)[k] for r in rows])  # noqa: E731
-                              for k in ("prompt_embeds", "prompt_embeds_mask")}
-        cond_positive = {**stack(positive), "image_latents": image_latents}
-        cond_negative = {**stack(negative), "image_latents": image_latents} if negative else None
+        texts = stacked_text([positive] + ([negative] if negative else []))
+        cond_positive = {**texts[0], "image_latents": image_latents}
+        cond_negative = {**texts[1], "image_latents": image_latents} if negative else None
         scale = self.vae_scale_factor * 2
         shape = torch.tensor([1, height // scale, width // scale])
         return Conditioning(positive=cond_positive, negative=cond_negative,

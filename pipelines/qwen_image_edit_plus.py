@@ -37,7 +37,7 @@ from torch import Tensor
 
 from flowgrpo.model import Conditioning, check_source_images, source_images_of
 from pipelines.flux import pack_latents
-from pipelines.qwen_image import QwenImageOptions, _fit_text, _text_length
+from pipelines.qwen_image import QwenImageOptions, stacked_text
 from pipelines.qwen_image_edit import QwenImageEditModel
 
 # QwenImageEditPlusPipeline's VAE_IMAGE_SIZE: the VAE sees each source at about this many pixels.
@@ -123,13 +123,10 @@ class QwenImageEditPlusModel(QwenImageEditModel):
                 shapes.append(torch.tensor(layout, dtype=torch.long))
         image_latents = torch.nn.utils.rnn.pad_sequence(latents, batch_first=True).to(self.dtype)
         source_shapes = torch.nn.utils.rnn.pad_sequence(shapes, batch_first=True).to(self.device)
-        branches = [positive] + ([negative] if negative else [])
-        length = max(_text_length(row["prompt_embeds_mask"]) for rows_ in branches for row in rows_)
-        stack = lambda rows_: {k: torch.cat([_fit_text(r, length)[k] for r in rows_])  # noqa: E731
-                               for k in ("prompt_embeds", "prompt_embeds_mask")}
+        texts = stacked_text([positive] + ([negative] if negative else []))
         sources = {"image_latents": image_latents, "source_shapes": source_shapes}
-        return Conditioning(positive={**stack(positive), **sources},
-                            negative={**stack(negative), **sources} if negative else None)
+        return Conditioning(positive={**texts[0], **sources},
+                            negative={**texts[1], **sources} if negative else None)
 
     # ---------------------------------------------------------------------------- FlowModel
     def velocity(self, latents: Tensor, sigma: Tensor, cond: Conditioning, guidance_scale: float) -> Tensor:

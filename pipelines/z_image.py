@@ -35,7 +35,7 @@ from pipelines.options import (AdapterOptions, check_divisible, parse_options,
                                require_attention_backend, resolve_dtype, resolve_size,
                                text_model_dtype)
 from pipelines.sources import check_pipeline_folder, read_model_index
-from pipelines.qwen_image import _fit_text, _text_length
+from pipelines.qwen_image import one_text_length
 from pipelines.sd3 import SD3Model
 
 # PEFT targets: the attention projections and the SwiGLU feed-forward of every
@@ -211,12 +211,7 @@ class ZImageModel(DiffusersFlowModel):
         brought to one length L (the longest prompt among them, zero-padded, mask 0), so that
         both CFG branches stack into one batch. positive/negative: {"prompt_embeds": (B, L, D),
         "prompt_embeds_mask": (B, L)}."""
-        cond = super().encode_prompts(prompts)
-        branches = [cond.positive] + ([cond.negative] if cond.negative is not None else [])
-        length = max(_text_length(b["prompt_embeds_mask"]) for b in branches)
-        negative = _fit_text(cond.negative, length) if cond.negative is not None else None
-        return Conditioning(positive=_fit_text(cond.positive, length), negative=negative,
-                            extra=dict(cond.extra))
+        return one_text_length(super().encode_prompts(prompts))
 
     # ---------------------------------------------------------------------------- FlowModel
     @property
