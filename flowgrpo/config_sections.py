@@ -579,7 +579,10 @@ class TrainingConfig(Section):
         "leaves the other steps free to drift as a side effect of the shared weights; on the toy "
         "the tinted canvas and textured objects that RL leaves come from the last, untrained "
         "steps (docs/reward_hacking.md). Costs one forward and backward of the policy and one "
-        "forward of the reference per anchored step.", default=0.0)
+        "forward of the reference per anchored step. The sample-based algorithms (nft, awm, "
+        "dgpo, dpo, gdro) keep no states: they anchor their final samples re-noised at the "
+        "schedule's levels below every training level (training.timesteps.fraction).",
+        default=0.0)
     anchor_steps: int = config_field(
         "Untrained steps per rollout chunk that training.anchor_beta anchors, drawn uniformly "
         "without replacement among the chunk's untrained steps (seeded by seed, iteration and "
@@ -758,9 +761,10 @@ class TrainingConfig(Section):
 
     def _sample_algorithm_rules(self) -> None:
         """What the sample-based algorithms cannot use: the parts of the GRPO loss that act on
-        transitions (they keep none)."""
+        transitions (they keep none). training.anchor_beta is not one: they anchor re-noised
+        final samples (``FlowAlgorithm.add_anchor``)."""
         grpo_only = {"ratio_norm": self.ratio_norm, "dt_reweight": self.dt_reweight,
-                     "rectification": self.rectification, "anchor_beta": self.anchor_beta > 0,
+                     "rectification": self.rectification,
                      "kl_reward": self.kl_reward > 0, "loss_scale": self.loss_scale != "none",
                      "locality.mask": self.locality.enabled,
                      "gardo.kl_gate": self.gardo.kl_gate}

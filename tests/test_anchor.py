@@ -122,3 +122,91 @@ def test_anchor_off_keeps_no_state_and_the_same_weights(tiny_sd3_path, tmp_path)
     assert metrics["train/anchor"] == 0.0
     for name, param in off.trainable.items():
         assert torch.allclose(param, on.trainable[name], atol=1e-7), name
+
+
+# ------------------------------------------------------------------ sample-based algorithms
+
+from flowgrpo.algorithms.base import anchor_levels          # noqa: E402
+from tests.test_algorithms import SAMPLE_ALGORITHMS, _algorithm   # noqa: E402
+
+# Sample-based runs on the tiny SD3 train the noisier half of the schedule; the anchor takes the
+# rest (below every training level).
+SAMPLE_ANCHOR = ("training.timesteps.fraction=0.5", "training.anchor_steps=2")
+
+
+@pytest.mark.parametrize("sampling", ["discrete", "uniform"])
+def test_anchor_levels_lie_below_every_training_level(sampling):
+    schedule = torch.tensor([1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0.1, 0.0])
+    # 10 non-zero levels, fraction 0.6: the first 6 (1.0 .. 0.5) are trained, in any mode
+    levels = anchor_levels(schedule, 0.6, 0.35)
+    assert torch.allclose(levels, torch.tensor([0.3, 0.2, 0.1]))
+    assert torch.allclose(anchor_levels(schedule, 0.6, 1.0), torch.tensor([0.4, 0.3, 0.2, 0.1]))
+    assert anchor_levels(schedule, 1.0, 1.0).numel() == 0
+    from flowgrpo.algorithms.base import draw_sigmas
+    drawn = draw_sigmas(schedule, 64, sampling, 0.6, torch.Generator().manual_seed(0))
+    assert float(drawn.min()) > float(anchor_levels(schedule, 0.6, 1.0).max())
+
+
+@pytest.mark.parametrize("algorithm", SAMPLE_ALGORITHMS)
+def test_sample_algorithm_anchor_is_zero_at_the_reference(tiny_sd3_path, tmp_path, algorithm):
+    """Each sample-based algorithm takes training.anchor_beta (it was ignored before): at the
+    reference the anchor is 0 and adds nothing to the gradient, so one iteration with and without
+    it gives the same weights; the metric is reported."""
+    base = (*_algorithm(algorithm), *SAMPLE_ANCHOR, "training.lr=1e-3")
+    off = Trainer(tiny_config(tiny_sd3_path, tmp_path / "off", *base))
+    on = Trainer(tiny_config(tiny_sd3_path, tmp_path / "on", *base, "training.anchor_beta=5.0"))
+    assert "train/anchor" not in off.run_iteration(0)
+    metrics = on.run_iteration(0)
+    assert metrics["train/anchor"] == 0.0
+    for name, param in off.trainable.items():
+        assert torch.allclose(param, on.trainable[name], atol=1e-7), name
+
+
+def _sample_anchor_gap(trainer, iteration: int) -> float:
+    """Mean squared velocity gap to the reference over the levels the anchor draws from, on a
+    fresh rollout's final samples re-noised with fixed noise."""
+    policy = trainer.policy
+    t = trainer.config.training
+    batch, _, _ = trainer.rollout_and_score(iteration)
+    levels = anchor_levels(policy.base_sigmas, t.timesteps.fraction, t.anchor_sigma_max)
+    rows = torch.arange(len(batch.prompts))
+    cond = policy.replay_condition(batch, type("R", (), {"rows": rows})())
+    clean = batch.final_latents.float()
+    noise = torch.randn(clean.shape, generator=torch.Generator().manual_seed(1))
+    gaps = []
+    with torch.no_grad():
+        for sigma in levels:
+            s = sigma.expand(len(rows))
+            x = (1 - sigma) * clean + sigma * noise
+            v = policy.model.velocity(x, s, cond, 1.0)
+            with policy.reference_policy():
+                v_ref = policy.model.velocity(x, s, cond, 1.0)
+            gaps.append(float(velocity_anchor(v, v_ref).mean()))
+    return sum(gaps) / len(gaps)
+
+
+def test_sample_algorithm_anchor_pulls_the_low_noise_velocity_back(tiny_sd3_path, tmp_path):
+    """DGPO with a constant reward has no policy gradient (every advantage is 0), so after a
+    perturbation of the weights only the anchor trains: the low-noise velocity gap to the
+    reference shrinks, and the reported anchor is positive."""
+    trainer = Trainer(tiny_config(tiny_sd3_path, tmp_path, *_algorithm("dgpo"), *SAMPLE_ANCHOR,
+                                  "training.dgpo.clip=false", "training.kl_beta=0",
+                                  "training.anchor_beta=1.0", "training.lr=1e-3",
+                                  "training.adv_scale=none",
+                                  "rewards.components=[{name: 'tests.helpers:Constant'}]"))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in trainer.trainable.values():
+            param.add_(0.02 * torch.randn(param.shape, generator=generator))
+    before = _sample_anchor_gap(trainer, 9)
+    assert before > 0
+    for iteration in range(5):
+        assert trainer.run_iteration(iteration)["train/anchor"] > 0
+    assert _sample_anchor_gap(trainer, 9) < 0.8 * before
+
+
+def test_sample_algorithm_anchor_without_levels_is_a_clear_error(tiny_sd3_path, tmp_path):
+    trainer = Trainer(tiny_config(tiny_sd3_path, tmp_path, *_algorithm("nft"),
+                                  "training.timesteps.fraction=1.0", "training.anchor_beta=1.0"))
+    with pytest.raises(ConfigError, match="training.timesteps.fraction"):
+        trainer.run_iteration(0)

@@ -44,6 +44,7 @@ class AWM(FlowAlgorithm):
         if t.kl_beta > 0:
             loss = add_velocity_kl(loss, record, t.kl_beta, velocity,
                                    unit.velocity(self.policy.reference_policy()), weights)
+        loss = self.add_anchor(loss, record, unit, batch, replay, iteration, weights)
         return loss, record
 
     def update_metrics(self, rows: dict[str, Tensor], clip_high: float) -> dict[str, Tensor]:
@@ -51,7 +52,7 @@ class AWM(FlowAlgorithm):
             return {}
         stats = surrogate_stats(rows["log_ratio"], rows["advantages"],
                                 self.config.training.clip_low, clip_high, rows["weights"])
-        for key in ("policy_loss", "matching_error", "kl"):
+        for key in ("policy_loss", "matching_error", "kl", "anchor"):
             if key in rows:
                 stats[key] = rows[key].float().mean()
         return stats

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any, Iterator
 import torch
 from torch import Tensor
 
+from flowgrpo.errors import ConfigError
+from flowgrpo.losses import velocity_anchor
 from flowgrpo.matching_losses import (discrete_sigma_choices, logit_normal_sigmas,
                                       noised_latents, old_policy_decay, velocity_error)
 from flowgrpo.seeding import seeded_generator
@@ -78,6 +80,44 @@ class FlowAlgorithm:
 
     def check_engine(self, sharded: bool) -> None:
         """Refuse an engine the algorithm cannot run on (called when the engine is known)."""
+
+    # ------------------------------------------------------------------ the image guard
+    def add_anchor(self, loss: Tensor, record: dict, unit: UnitForward, batch: RolloutBatch,
+                   replay: SampleReplay, iteration: int, weights: Tensor) -> Tensor:
+        """``training.anchor_beta`` for a sample-based algorithm: loss + beta times the mean over
+        ``training.anchor_steps`` levels of ``losses.velocity_anchor`` (the squared velocity gap
+        to the reference), on the unit's final samples re-noised at levels below every training
+        level (``anchor_levels``). GRPO anchors the rollout's own states at its untrained steps;
+        these rollouts keep no states, so the forward process of the policy's samples stands in
+        for them (the same marginals when the policy's flow is exact). Applied on each chunk's
+        first unit (slot 0), so once per chunk and pass, as GRPO's; levels and noise are keyed by
+        (seed, iteration, the chunk's first sample id)."""
+        t = self.config.training
+        if t.anchor_beta <= 0 or replay.slot != 0:
+            return loss
+        levels = anchor_levels(self.policy.base_sigmas, t.timesteps.fraction, t.anchor_sigma_max)
+        if levels.numel() == 0:
+            raise ConfigError(
+                f"training.anchor_beta anchors the schedule's levels below the training levels "
+                f"(training.timesteps.fraction {t.timesteps.fraction}) and at most "
+                f"training.anchor_sigma_max {t.anchor_sigma_max}, and this schedule has none: "
+                f"lower training.timesteps.fraction or raise training.anchor_sigma_max")
+        policy = self.policy
+        generator = seeded_generator(self.config.run.seed, iteration, "anchor",
+                                     int(batch.sample_ids[replay.rows[0]]))
+        picked = torch.randperm(len(levels), generator=generator)[:t.anchor_steps]
+        penalties = []
+        for index in picked.tolist():
+            sigmas = levels[index].expand(unit.clean.shape[0]).to(unit.clean.device)
+            noise = torch.randn(tuple(unit.clean.shape), generator=generator)
+            latents, _ = noised_latents(unit.clean, noise.to(unit.clean.device), sigmas)
+            state = dataclasses.replace(unit, latents=latents, sigmas=sigmas)
+            velocity = state.velocity()
+            velocity_ref = state.velocity(policy.reference_policy())
+            penalties.append(weighted_mean(velocity_anchor(velocity, velocity_ref), weights))
+        anchor = torch.stack(penalties).mean()
+        record["anchor"] = anchor.detach()
+        return loss + t.anchor_beta * anchor
 
 
 @dataclasses.dataclass
@@ -158,6 +198,16 @@ def sample_units(batch: RolloutBatch, schedule: Tensor, config, iteration: int, 
             units.append(SampleReplay(rows=chunk_rows, slot=slot, sigmas=sigmas,
                                       noise_keys=keys))
     return units
+
+
+def anchor_levels(schedule: Tensor, fraction: float, sigma_max: float) -> Tensor:
+    """(L,) the rollout schedule's non-zero levels that ``training.anchor_beta`` anchors for a
+    sample-based algorithm: those after ``discrete_sigma_choices(schedule, fraction)`` (below
+    every level a discrete or continuous draw can train) with sigma <= ``sigma_max``. schedule
+    (N + 1,) descending, ending at 0."""
+    trained = discrete_sigma_choices(schedule.float(), fraction)
+    levels = schedule.float()[len(trained):-1]
+    return levels[levels <= sigma_max + 1e-6]
 
 
 def unit_noise(shape: tuple[int, ...], keys: list[int], seed: int, iteration: int, slot: int,

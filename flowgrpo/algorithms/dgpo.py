@@ -84,6 +84,7 @@ class DGPO(FlowAlgorithm):
         record["matching_error"] = error.detach().mean()
         if t.kl_beta > 0:
             loss = add_velocity_kl(loss, record, t.kl_beta, velocity, velocity_base, weights)
+        loss = self.add_anchor(loss, record, unit, batch, replay, iteration, weights)
         return loss, record
 
     def after_optimizer_step(self) -> None:

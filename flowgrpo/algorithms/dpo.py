@@ -200,6 +200,8 @@ class DiffusionDPO(FlowAlgorithm):
             record["offline_implicit_margin"] = margin.mean()
         if t.kl_beta > 0:
             loss = add_velocity_kl(loss, record, t.kl_beta, velocity, velocity_ref, weights)
+        if not offline:   # the guard keeps the policy's own samples' low-noise velocity
+            loss = self.add_anchor(loss, record, unit, batch, replay, iteration, weights)
         return loss, record
 
     def update_metrics(self, rows: dict[str, Tensor], clip_high: float) -> dict[str, Tensor]:

@@ -106,4 +106,5 @@ class GDRO(FlowAlgorithm):
                   "informative_groups": informative.float().mean()}
         if t.kl_beta > 0:
             loss = add_velocity_kl(loss, record, t.kl_beta, velocity, velocity_ref, weights)
+        loss = self.add_anchor(loss, record, unit, batch, replay, iteration, weights)
         return loss, record

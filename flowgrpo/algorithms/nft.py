@@ -59,6 +59,7 @@ class NFT(FlowAlgorithm):
         if t.kl_beta > 0:
             loss = add_velocity_kl(loss, record, t.kl_beta, velocity,
                                    unit.velocity(self.policy.reference_policy()), weights)
+        loss = self.add_anchor(loss, record, unit, batch, replay, iteration, weights)
         return loss, record
 
     def after_optimizer_step(self) -> None:
