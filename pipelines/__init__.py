@@ -33,6 +33,7 @@ MODEL_FAMILIES: dict[str, str] = {
     "qwen_image_edit_plus": "pipelines.qwen_image_edit_plus:QwenImageEditPlusModel",
     "z_image": "pipelines.z_image:ZImageModel",
     "hunyuan_video": "pipelines.hunyuan_video:HunyuanVideoModel",
+    "ltx2": "pipelines.ltx2:LTX2Model",
     "toy": "pipelines.toy:ToyFlowModel",
 }
 

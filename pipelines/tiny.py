@@ -31,7 +31,10 @@ structure that the adapters depend on:
   Z-Image-Turbo's static-shift-3 scheduler config;
 - HunyuanVideo ("hunyuan_video") keeps a real Llama text encoder behind a Llama-3-style byte-level
   BPE in which the pipeline's prompt template splits into the same 95 leading tokens it crops,
-  CLIP's pooled text, the guidance embedding, the token refiner and the causal video VAE.
+  CLIP's pooled text, the guidance embedding, the token refiner and the causal video VAE;
+- LTX-2 ("ltx2") keeps a real Gemma-3 text encoder (every layer's states feed the connectors)
+  behind a Gemma BPE built in code, both text connectors, the joint audio+video transformer, both
+  VAEs with non-trivial latent statistics, the vocoder and LTX-2's dynamic-shift scheduler.
 """
 from __future__ import annotations
 
@@ -42,7 +45,7 @@ import torch
 
 TINY_FAMILIES = ("sd3", "flux", "flux_kontext", "wan", "wan22", "qwen_image", "flux2", "flux2_dev",
                  "wan_i2v", "wan22_i2v", "wan22_ti2v", "z_image", "qwen_image_edit_plus",
-                 "hunyuan_video")
+                 "hunyuan_video", "ltx2")
 
 # Sizes the tests use with the tiny folders (divisible by 16 = VAE factor 8 x patch size 2).
 TINY_HEIGHT = 32
@@ -455,6 +458,99 @@ def build_tiny_hunyuan_video():
         text_encoder_2=text_encoder_2, tokenizer_2=tokenizer_2)
 
 
+# Gemma's special tokens (padding, end, begin, unknown, mask, then the image markers Gemma-3's
+# vision path refers to), ids 0.. as in Gemma's own vocabulary.
+_GEMMA_SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_image>",
+                         "<end_of_image>", "<image_soft_token>")
+
+
+def tiny_gemma_tokenizer(model_max_length: int = 1024):
+    """A Gemma tokenizer (``GemmaTokenizer``: BPE with byte fallback, spaces as "\u2581", <bos>
+    prepended) whose vocabulary is the special tokens, the 256 byte-fallback tokens and one token
+    per printable ASCII character and the space mark, without merges."""
+    from transformers import GemmaTokenizer
+
+    vocab = {token: i for i, token in enumerate(_GEMMA_SPECIAL_TOKENS)}
+    for byte in range(256):
+        vocab[f"<0x{byte:02X}>"] = len(vocab)
+    for character in "\u2581" + "".join(chr(code) for code in range(33, 127)):
+        vocab.setdefault(character, len(vocab))
+    return GemmaTokenizer(vocab=vocab, merges=[], add_bos_token=True,
+                          additional_special_tokens=list(_GEMMA_SPECIAL_TOKENS[5:]),
+                          model_max_length=model_max_length)
+
+
+def build_tiny_ltx2():
+    """LTX2Pipeline with tiny random components (LTX-2 layout: a real Gemma-3
+    ``Gemma3ForConditionalGeneration``, 2 layers of width 32 and a one-layer vision tower, behind
+    the tiny Gemma tokenizer; the text connectors of both streams; the audio+video transformer
+    with its cross-modal attention, split RoPE; the video VAE patchifying 2 x 2 pixels (as
+    LTX-2's patchifies 4 x 4) with one scaling block: 4x spatial / 2x temporal, so 32 px x 5
+    frames is an 8 x 8 x 3 latent grid of 192 tokens; the audio VAE (8 mel bins, 2 latent
+    channels: audio tokens 2 x 2 = 4 wide like the 4-channel video tokens) and vocoder; both
+    VAEs with per-channel latent statistics away from the identity; LTX-2's dynamic-shift
+    scheduler config (0.95..2.05 over 1024..4096 tokens, shift_terminal 0.1)."""
+    from diffusers import (AutoencoderKLLTX2Audio, AutoencoderKLLTX2Video,
+                           FlowMatchEulerDiscreteScheduler, LTX2Pipeline, LTX2VideoTransformer3DModel)
+    from diffusers.pipelines.ltx2 import LTX2TextConnectors
+    from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    tokenizer = tiny_gemma_tokenizer()
+    ids = {token: tokenizer.convert_tokens_to_ids(token) for token in _GEMMA_SPECIAL_TOKENS}
+    gemma_width, gemma_layers = 32, 2
+    text_encoder = Gemma3ForConditionalGeneration(Gemma3Config(
+        text_config={
+            "vocab_size": len(tokenizer), "hidden_size": gemma_width, "intermediate_size": 2 * gemma_width,
+            "num_hidden_layers": gemma_layers, "num_attention_heads": 2, "num_key_value_heads": 1,
+            "head_dim": 16, "max_position_embeddings": tokenizer.model_max_length, "sliding_window": 8,
+            "pad_token_id": ids["<pad>"], "bos_token_id": ids["<bos>"], "eos_token_id": ids["<eos>"]},
+        vision_config={"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+                       "num_attention_heads": 2, "image_size": 28, "patch_size": 14},
+        mm_tokens_per_image=4, boi_token_index=ids["<start_of_image>"],
+        eoi_token_index=ids["<end_of_image>"], image_token_index=ids["<image_soft_token>"])).eval()
+    transformer = LTX2VideoTransformer3DModel(
+        in_channels=4, out_channels=4, patch_size=1, patch_size_t=1, num_attention_heads=2,
+        attention_head_dim=8, cross_attention_dim=16, audio_in_channels=4, audio_out_channels=4,
+        audio_num_attention_heads=2, audio_attention_head_dim=4, audio_cross_attention_dim=8,
+        num_layers=2, caption_channels=gemma_width, rope_double_precision=False, rope_type="split",
+        vae_scale_factors=(2, 4, 4))
+    connectors = LTX2TextConnectors(
+        caption_channels=gemma_width, text_proj_in_factor=gemma_layers + 1,
+        video_connector_num_attention_heads=4, video_connector_attention_head_dim=8,
+        video_connector_num_layers=1, video_connector_num_learnable_registers=None,
+        audio_connector_num_attention_heads=4, audio_connector_attention_head_dim=8,
+        audio_connector_num_layers=1, audio_connector_num_learnable_registers=None,
+        connector_rope_base_seq_len=32, rope_theta=10000.0, rope_double_precision=False,
+        causal_temporal_positioning=False, rope_type="split")
+    vae = AutoencoderKLLTX2Video(
+        in_channels=3, out_channels=3, latent_channels=4, block_out_channels=(8,),
+        decoder_block_out_channels=(8,), layers_per_block=(1,), decoder_layers_per_block=(1, 1),
+        spatio_temporal_scaling=(True,), decoder_spatio_temporal_scaling=(True,),
+        decoder_inject_noise=(False, False), downsample_type=("spatial",), upsample_residual=(False,),
+        upsample_factor=(1,), timestep_conditioning=False, patch_size=2, patch_size_t=1,
+        encoder_causal=True, decoder_causal=False)
+    audio_vae = AutoencoderKLLTX2Audio(
+        base_channels=4, output_channels=2, ch_mult=(1,), num_res_blocks=1, attn_resolutions=None,
+        in_channels=2, resolution=32, latent_channels=2, norm_type="pixel", causality_axis="height",
+        dropout=0.0, mid_block_add_attention=False, sample_rate=16000, mel_hop_length=160,
+        is_causal=True, mel_bins=8)
+    with torch.no_grad():   # latent statistics away from (0, 1), so that un-normalising is tested
+        for part in (vae, audio_vae):
+            part.latents_mean.copy_(0.3 * torch.randn(part.latents_mean.shape))
+            part.latents_std.copy_(0.5 + torch.rand(part.latents_std.shape))
+    vocoder = LTX2Vocoder(
+        in_channels=audio_vae.config.output_channels * audio_vae.config.mel_bins, hidden_channels=32,
+        out_channels=2, upsample_kernel_sizes=[4, 4], upsample_factors=[2, 2], resnet_kernel_sizes=[3],
+        resnet_dilations=[[1, 3, 5]], leaky_relu_negative_slope=0.1, output_sampling_rate=16000)
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        use_dynamic_shifting=True, base_shift=0.95, max_shift=2.05, base_image_seq_len=1024,
+        max_image_seq_len=4096, shift_terminal=0.1, time_shift_type="exponential")
+    return LTX2Pipeline(scheduler=scheduler, vae=vae, audio_vae=audio_vae, text_encoder=text_encoder,
+                        tokenizer=tokenizer, connectors=connectors, transformer=transformer,
+                        vocoder=vocoder)
+
+
 # Qwen-Image's prompt template splits into these words with Qwen's tokenizer; giving the tiny BPE
 # one token per word reproduces its 34-token template prefix (QwenImagePipeline drops it by count).
 _QWEN_TEMPLATE_WORDS = ("system", "user", "Describe") + tuple(
@@ -740,7 +836,8 @@ _BUILDERS = {"sd3": build_tiny_sd3, "flux": build_tiny_flux, "wan": build_tiny_w
              "flux2": build_tiny_flux2, "flux2_dev": build_tiny_flux2_dev,
              "wan_i2v": build_tiny_wan_i2v, "wan22_i2v": build_tiny_wan22_i2v,
              "wan22_ti2v": build_tiny_wan22_ti2v,
-             "z_image": build_tiny_z_image, "hunyuan_video": build_tiny_hunyuan_video}
+             "z_image": build_tiny_z_image, "hunyuan_video": build_tiny_hunyuan_video,
+             "ltx2": build_tiny_ltx2}
 
 
 def build_tiny(family: str, seed: int = 0, transformer_size: tuple[int, int] | None = None):

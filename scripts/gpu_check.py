@@ -1,7 +1,9 @@
 """One-GPU check of GRPO training in bf16 and fp16, in under 10 minutes.
 
-For every model family with an offline build (toy: assets/toy; SD3, FLUX.1, Wan2.1: the tiny
-random folders of ``pipelines.tiny``) and for a width-realistic SD3 stack (SD3.5-Medium's block
+For every model family with an offline build (toy: assets/toy; SD3, FLUX.1, Wan2.1, Z-Image,
+FLUX.2-klein, Qwen-Image-Edit-Plus, Wan2.1 I2V, HunyuanVideo, LTX-2: the tiny random folders of
+``pipelines.tiny``; the editing and image-to-video families train on prompts with source images
+written to the work folder) and for a width-realistic SD3 stack (SD3.5-Medium's block
 width at 512 px, 4 blocks, LoRA rank 32), this runs a few training iterations in each precision
 through the public API (``load_config(path, overrides)`` and ``Trainer(config).train()``) and
 prints one row per run:
@@ -44,7 +46,12 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-FAMILIES = ("toy", "sd3", "flux", "wan", "sd3_wide")
+# In run order: the width-realistic sd3_wide before the later tiny families, so that a spent
+# --time-budget skips tiny runs (run them with --families) rather than the one that measures.
+FAMILIES = ("toy", "sd3", "flux", "wan", "sd3_wide", "z_image", "flux2", "qwen_image_edit_plus",
+            "wan_i2v", "hunyuan_video", "ltx2")
+# Families whose prompts carry a source image (JSONL {"prompt", "image"}): image_prompts() writes them.
+IMAGE_FAMILIES = ("qwen_image_edit_plus", "wan_i2v")
 PRECISIONS = ("bf16", "fp16")
 WEIGHT_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
 PROMPTS = ["a red square", "a blue circle", "a green cat", "two yellow stars"]
@@ -152,6 +159,26 @@ def run_config(family: str, precision: str, iterations: int, work: Path, model_p
         options["num_frames"] = 5
         sampling.update(guidance_scale=2.0, plan={"kind": "one_step"})
         training["rectification"] = True
+    elif family == "z_image":
+        sampling["guidance_scale"] = 5.0   # the base model's CFG 4 in ZImagePipeline's scale
+    elif family == "flux2":
+        sampling["guidance_scale"] = 4.0   # the klein base build: real CFG
+    elif family == "qwen_image_edit_plus":
+        # no max_sequence_length option (Qwen's text is per prompt); small VAE sources
+        options = {"height": 32, "width": 32, "source_area": 64 * 64}
+        sampling.update(guidance_scale=4.0, plan={"kind": "full"})
+        train_prompts = str(work / "image_prompts.jsonl")
+    elif family == "wan_i2v":
+        options["num_frames"] = 5
+        sampling.update(guidance_scale=5.0, plan={"kind": "one_step"})
+        train_prompts = str(work / "image_prompts.jsonl")
+    elif family == "hunyuan_video":
+        options["num_frames"] = 5
+        sampling["guidance_scale"] = 6.0   # the guidance embedding (no real CFG)
+    elif family == "ltx2":
+        options["num_frames"] = 5
+        sampling.update(guidance_scale=3.0, kind="cps",
+                        plan={"kind": "window", "window_size": 2, "window_strategy": "random"})
     elif family == "sd3_wide":
         side = WIDE_SD3["height"]
         options = {"height": side, "width": side}   # T5 keeps its default 256 tokens
@@ -220,6 +247,27 @@ def summarise(metrics: list[dict], ratio_tol: float) -> dict:
     return row
 
 
+def image_prompts(work: Path) -> Path:
+    """``work/image_prompts.jsonl``: PROMPTS, each with a source image (random 8-bit RGB of
+    different sizes, written beside it) for the editing and image-to-video families."""
+    path = work / "image_prompts.jsonl"
+    if path.is_file():
+        return path
+    import numpy as np
+    from PIL import Image
+
+    generator = np.random.default_rng(0)
+    lines = []
+    for i, prompt in enumerate(PROMPTS):
+        size = (48 + 16 * i, 64 - 8 * i)   # (width, height): the sources' aspect ratios differ
+        pixels = generator.integers(0, 256, size=(size[1], size[0], 3), dtype=np.uint8)
+        Image.fromarray(pixels).save(work / f"source_{i}.png")
+        lines.append(json.dumps({"prompt": prompt, "image": f"source_{i}.png"}))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
 def write_config(family: str, precision: str, args, work: Path) -> Path:
     """Write the run's YAML and check it (with the --override values) the way the trainer will,
     so that a bad override stops the check before any model is built."""
@@ -229,6 +277,8 @@ def write_config(family: str, precision: str, args, work: Path) -> Path:
 
     config = run_config(family, precision, args.iterations, work, model_folder(family, work),
                         args.cpu_smoke)
+    if family in IMAGE_FAMILIES:
+        image_prompts(work)
     path = work / "configs" / f"{family}_{precision}.yaml"
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(yaml.safe_dump(config, sort_keys=False))

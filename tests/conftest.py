@@ -25,6 +25,14 @@ def tiny_sd3_dir(tiny_sd3_path) -> str:
     return tiny_sd3_path
 
 
+@pytest.fixture(scope="session")
+def tiny_recipe_root(tmp_path_factory):
+    """The root ``--tiny`` configs build their tiny models and reward weights under
+    (``tiny_recipe.load_tiny_config(..., root=)``), shared by every test module: each build is
+    written once, on first use."""
+    return tmp_path_factory.mktemp("tiny_recipe_builds")
+
+
 def _tiny_build(family: str):
     """A session fixture: the tiny offline build of ``family`` (pipelines/tiny.py), made once."""
 
@@ -49,6 +57,7 @@ tiny_wan22_i2v_dir = _tiny_build("wan22_i2v")   # Wan2.2-I2V-A14B: two experts (
 tiny_wan22_ti2v_dir = _tiny_build("wan22_ti2v")   # Wan2.2-TI2V-5B: expand_timesteps, Wan2.2 VAE
 tiny_z_image_dir = _tiny_build("z_image")   # Z-Image(-Turbo): Qwen3 text, Turbo's shift-3 scheduler
 tiny_hunyuan_video_dir = _tiny_build("hunyuan_video")   # HunyuanVideo: Llama + CLIP text, guidance embedding
+tiny_ltx2_dir = _tiny_build("ltx2")   # LTX-2: Gemma-3 text + connectors, joint audio+video tokens
 
 
 @pytest.fixture(scope="session")

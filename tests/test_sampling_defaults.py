@@ -21,6 +21,7 @@ STOCK = {
     "flux2": ("Flux2KleinPipeline", "guidance_scale", lambda s: s),
     "flux_kontext": ("FluxKontextPipeline", "guidance_scale", lambda s: s),
     "hunyuan_video": ("HunyuanVideoPipeline", "guidance_scale", lambda s: s),   # guidance embedding
+    "ltx2": ("LTX2Pipeline", "guidance_scale", lambda s: s),   # the video's scale (audio: options)
 }
 # Flow-GRPO's evaluation settings, deliberately not the pipelines' (28 steps / 7.0 for SD3).
 ANCHOR_SETTINGS = {"sd3": (40, 4.5), "flux": (28, 3.5)}

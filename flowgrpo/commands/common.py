@@ -32,7 +32,7 @@ SAMPLING_DEFAULTS: dict[str, tuple[int, float]] = {
     "sd3": (40, 4.5), "flux": (28, 3.5), "flux_kontext": (28, 3.5), "wan": (50, 5.0),
     "wan_i2v": (50, 5.0), "qwen_image": (50, 4.0), "qwen_image_edit": (50, 4.0),
     "qwen_image_edit_plus": (50, 4.0), "z_image": (50, 6.0), "flux2": (50, 4.0),
-    "hunyuan_video": (50, 6.0)}
+    "hunyuan_video": (50, 6.0), "ltx2": (30, 3.0)}
 FALLBACK_SAMPLING = (20, 1.0)   # a family not listed and without its own defaults
 IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg", ".webp")
 
