@@ -36,6 +36,8 @@ from flowgrpo.config_sections import (FIELD_CHOICES, CurriculumConfig, EmaConfig
 from flowgrpo.errors import ConfigError, InputError
 from flowgrpo.packaged_data import resolve_config_path, with_packaged_paths
 from flowgrpo.plans import PlanConfig
+from flowgrpo.step_values import check_vgpo_config
+from flowgrpo.tree import check_tree_config
 from flowgrpo.policy_registry import POLICIES, load_policy_class
 from flowgrpo.user_files import folder_blocker, line_and_column, read_text_file
 
@@ -471,6 +473,8 @@ def _cross_section_rules(config: TrainConfig, num_processes: int) -> None:
     _check_select_best(config)
     _check_locality(config)
     _check_algorithm(config, num_processes)
+    check_tree_config(config, num_processes)   # sampling.plan.kind: tree (flowgrpo/tree.py)
+    check_vgpo_config(config)
 
 
 def _check_algorithm(config: TrainConfig, num_processes: int) -> None:

@@ -29,10 +29,11 @@ from flowgrpo.model import CFG_GRADIENTS
 from flowgrpo.losses import KL_CONVENTIONS
 from flowgrpo.token_losses import TOKEN_AGGREGATIONS, TOKEN_LEVELS
 from flowgrpo.guided_sde import GUIDANCE_FORMS, LOG_PROB_MEANS, RewardGuidanceConfig
-from flowgrpo.plans import (ONE_STEP_SELECTS, PLAN_KINDS, TRAIN_SELECTS, WINDOW_ENDS,
-                            WINDOW_STRATEGIES, PlanConfig)
+from flowgrpo.plans import (ONE_STEP_SELECTS, PLAN_KINDS, TRAIN_SELECTS, TREE_BACKUPS,
+                            WINDOW_ENDS, WINDOW_STRATEGIES, PlanConfig)
 from flowgrpo.prompts import PROMPT_SUFFIXES
 from flowgrpo.sde import KINDS, LOG_PROBS, ODE_SOLVERS
+from flowgrpo.step_values import ADVANTAGES, VGPOConfig
 
 LR_DECAYS = ("constant", "linear", "cosine")
 SIGMA_SCHEDULES = ("model", "shifted_linear")
@@ -59,6 +60,7 @@ FIELD_CHOICES: dict[str, tuple[str, ...]] = {
     "sampling.plan.window_strategy": WINDOW_STRATEGIES, "sampling.plan.window_end": WINDOW_ENDS,
     "sampling.plan.solver_after": ODE_SOLVERS,
     "sampling.plan.one_step_select": ONE_STEP_SELECTS,
+    "sampling.plan.tree_backup": TREE_BACKUPS,
     "sampling.reward_guidance.form": GUIDANCE_FORMS,
     "sampling.reward_guidance.log_prob_mean": LOG_PROB_MEANS,
     "training.algorithm": ALGORITHM_NAMES, "training.timesteps.sampling": TIMESTEP_SAMPLINGS,
@@ -67,7 +69,7 @@ FIELD_CHOICES: dict[str, tuple[str, ...]] = {
     "training.lr_decay": LR_DECAYS, "training.kl_convention": tuple(KL_CONVENTIONS),
     "training.adv_scale": tuple(SCALES), "training.dt_reweight_norm": DT_REWEIGHT_NORMS,
     "training.loss_scale": LOSS_SCALES, "training.mixed_precision": MIXED_PRECISIONS,
-    "training.cfg_gradient": CFG_GRADIENTS,
+    "training.cfg_gradient": CFG_GRADIENTS, "training.advantage": ADVANTAGES,
     "training.ema.warmup": EMA_WARMUPS, "training.locality.mask": LOCALITY_MASKS,
     "training.locality.resize": REGION_RESIZES,
     "training.locality.silent_share": SILENT_SHARES,
@@ -693,6 +695,15 @@ class TrainingConfig(Section):
     gdro: GDROConfig = config_field(
         "GDRO, group-level direct reward optimization (training.algorithm: gdro).",
         default_factory=GDROConfig)
+    advantage: str = config_field(
+        "Which advantages the update uses: 'auto' (one a sample, as the reward options imply: "
+        "group-normalised total, GDPO per component, saturation weights, locality regions) or "
+        "'vgpo' (VGPO, arXiv 2512.12387: one a trained step, from the rewards of the one-step "
+        "predictions x - sigma v of the trained states, a group-relative part and an absolute "
+        "part: training.vgpo; costs a reward call a replay batch after a row's first trained "
+        "step, logged as cost/step_value_*; flowgrpo/step_values.py).", default="auto")
+    vgpo: VGPOConfig = config_field(
+        "VGPO's per-step advantages (training.advantage: vgpo).", default_factory=VGPOConfig)
 
     def validate(self) -> None:
         choice(self.algorithm, ALGORITHM_NAMES, "training.algorithm")
@@ -756,6 +767,8 @@ class TrainingConfig(Section):
         self.dgpo.validate()
         self.dpo.validate()
         self.gdro.validate()
+        choice(self.advantage, ADVANTAGES, "training.advantage")
+        self.vgpo.validate()
         if self.algorithm != "grpo":
             self._sample_algorithm_rules()
 

@@ -22,13 +22,18 @@ def rollout_sigmas(config: TrainConfig, model) -> Tensor:
     return model.sigmas(s.num_steps)
 
 
+# Plan kinds whose plan differs between the groups of an iteration (each group's rows roll out
+# in their own chunks).
+PER_GROUP_PLANS = ("branch", "one_step", "merge")
+
+
 def rollout_chunks_per_process(config: TrainConfig, num_processes: int) -> int:
     """Rollout chunks (rows that share a plan, rollout_batch_size at a time) of one iteration on
     each process. Plans shared by every group (full, window) chunk the process's rows together;
-    per-group plans (branch, one_step) chunk each group's rows on their own."""
+    per-group plans (branch, one_step, merge) chunk each group's rows on their own."""
     t, s = config.training, config.sampling
     rows = t.prompts_per_iteration * t.group_size // num_processes
-    if s.plan.kind in ("branch", "one_step") and rows % t.group_size == 0:
+    if s.plan.kind in PER_GROUP_PLANS and rows % t.group_size == 0:
         return (rows // t.group_size) * math.ceil(t.group_size / s.rollout_batch_size)
     return math.ceil(rows / s.rollout_batch_size)
 

@@ -37,6 +37,8 @@ from flowgrpo.prompts import (record_images, record_keep_masks, record_masks,
                               reward_metadata)
 from flowgrpo.rollout import RolloutBatch, RolloutSettings, encode_rows, replay_logp, rollout
 from flowgrpo.sde import anchor_std
+from flowgrpo.step_values import check_step_value_reward, score_step_values
+from flowgrpo.trainer_advantages import PER_STEP_ESTIMATORS, advantage_estimator
 from pipelines import check_model_config, load_model, model_class
 from pipelines import check_model_source as check_family_source
 from reward_models import (MultiReward, available_rewards, check_reward_names,
@@ -115,6 +117,7 @@ class FlowPolicy(FlowEvaluation):
                            // accelerator.num_processes, t.group_size, accelerator.num_processes)
         check_guard_keys(config, self.reward)
         check_locality_keys(config, loaded_reward_keys(self.reward))
+        check_step_value_reward(config, self.reward)
         locality = config.training.locality
         try:
             if locality.mask == "record":
@@ -342,6 +345,8 @@ class FlowPolicy(FlowEvaluation):
         began = time.perf_counter()
         settings = self.settings(iteration)
         settings.keep_final_latents = not transitions
+        step_values = self.config.training.advantage == "vgpo"
+        settings.keep_x0_predictions = step_values
         if self.guidance is not None:
             settings.guidance = self.guidance.for_rows(prompts, scored_metadata)
         with torch.no_grad(), self.accelerator.autocast(), \
@@ -378,6 +383,14 @@ class FlowPolicy(FlowEvaluation):
             rewards["total"] = rewards["total"] - self.config.training.kl_reward * kl
             rewards[KL_REWARD_KEY] = kl
             timing["time/kl_reward"] = time.perf_counter() - began
+        if step_values:   # VGPO: the rewards of the trained states' one-step predictions
+            with torch.no_grad(), self.accelerator.autocast():
+                batch.step_values, batch.trained_steps, cost = score_step_values(
+                    self.model, self.reward, batch.replay, prompts, scored_metadata,
+                    len(self.base_sigmas) - 1)
+            for replay in batch.replay:   # scored: the update does not read them
+                replay.x0_pred = None
+            timing.update(cost)
         if not transitions:
             batch.replay = self.algorithm.replays(batch, iteration, rewards)
         return batch, rewards, timing
@@ -457,6 +470,9 @@ class FlowPolicy(FlowEvaluation):
         """The loss of one replay unit: the algorithm's (``flowgrpo/algorithms/``). Every
         forward of it (the policy's, the reference's, an old policy's) runs CFG's branches as
         ``training.cfg_gradient`` says, so that forwards of equal weights give equal velocities."""
+        if advantage_estimator(self.config) in PER_STEP_ESTIMATORS:
+            # (B, N) advantages, a column a schedule step (VGPO's steps, a tree's edges)
+            advantages = advantages[:, replay.step]
         with cfg_gradient(self.config.training.cfg_gradient):
             return self.algorithm.loss(batch, replay, advantages, iteration, clip_high, weights)
 

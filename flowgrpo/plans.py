@@ -39,6 +39,14 @@ Plan kinds (``PlanConfig.kind``):
   their merged step and the group-normalised advantage is E-GRPO's "among samples sharing the
   merged step". ``merge_counts_for_entropy`` picks the counts by an entropy threshold.
 
+* ``tree`` (TreeGRPO / BranchGRPO): the SDE steps are a window ``tree_window`` (default: the
+  first to the last branch step); at each of ``tree_branch_at`` every node of the group's tree
+  splits into ``tree_branching`` children, each continuing with its own noise, at the other
+  window steps each node takes one SDE step; ODE before and after. A group is the tree's
+  k^len(tree_branch_at) leaves; ``tree_trained`` prunes the trained window steps. The tree maths
+  (node counts, backed-up rewards, depth-wise advantages) is ``flowgrpo/tree.py``, its rollout
+  ``flowgrpo/tree_rollout.py``.
+
 Steps before the last stochastic step are always Euler; steps after it use ``solver_after``.
 ``shared_prefix`` is the number of leading deterministic steps: when the members of a group share
 their initial noise (the rollout's default) these are identical for the whole group and are
@@ -73,9 +81,11 @@ __all__ = [
     "plan_seed",
     "merged_schedule",
     "merge_counts_for_entropy",
+    "tree_steps",
 ]
 
 TRAIN_SELECTS = ("first", "random", "random_per_sample")
+TREE_BACKUPS = ("mean", "prob_weighted")
 WINDOW_STRATEGIES = ("progressive", "decay", "exp_decay", "random")
 WINDOW_ENDS = ("fit", "shrink", "shrink_empty")
 ONE_STEP_SELECTS = ("random", "cycle")
@@ -128,6 +138,10 @@ class StepPlan:
     trained: tuple[int, ...]
     solver_after: str = "euler"
     shared_prefix: int = 0
+    # tree plans: the steps at which every node splits into ``branching`` children (a subset of
+    # ``stochastic``); () and 1 for every other plan, whose rows never share a node
+    branch_at: tuple[int, ...] = ()
+    branching: int = 1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "sigmas", _check_schedule(self.sigmas, "StepPlan.sigmas"))
@@ -151,6 +165,14 @@ class StepPlan:
             raise ValueError(f"StepPlan.shared_prefix must be an int in [0, {first_stochastic}] "
                              "(the leading deterministic steps) "
                              f"(got {self.shared_prefix!r})")
+        branch_at = _int_tuple(self.branch_at, "StepPlan.branch_at")
+        object.__setattr__(self, "branch_at", branch_at)
+        if not set(branch_at) <= set(stochastic) or \
+                isinstance(self.branching, bool) or not isinstance(self.branching, int) or \
+                self.branching < 1 or (self.branching > 1) != bool(branch_at):
+            raise ValueError(f"StepPlan.branch_at must be stochastic steps and branching an int "
+                             f">= 2 with them (1 without) (got branch_at={branch_at}, "
+                             f"branching={self.branching!r}, stochastic={stochastic})")
 
     @property
     def num_steps(self) -> int:
@@ -175,7 +197,7 @@ class StepPlan:
     def key(self) -> tuple:
         """Hashable identity: schedule values, step indices, solver and shared prefix."""
         return (tuple(self.sigmas.tolist()), self.stochastic, self.trained, self.solver_after,
-                self.shared_prefix)
+                self.shared_prefix, self.branch_at, self.branching)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, StepPlan):
@@ -198,7 +220,8 @@ class PlanConfig:
     kind: str = config_field(
         "full (Flow-GRPO / DanceGRPO) | window (MixGRPO) | branch (Flow-GRPO-Fast) | "
         "one_step (Flash-GRPO) | merge (E-GRPO: one SDE step merging several) | "
-        "ode (no SDE step: the sample-based algorithms' rollouts).",
+        "ode (no SDE step: the sample-based algorithms' rollouts) | tree (TreeGRPO / "
+        "BranchGRPO: a group's tree branching inside an SDE window).",
         default="full")
     train_fraction: float = config_field(
         "full: train int(num_steps * train_fraction) of the num_steps - 1 stochastic steps "
@@ -275,6 +298,24 @@ class PlanConfig:
         "eta_step_merge_list), one per merge_at entry with k + m <= num_steps - 1; None = 1 "
         "each (an unmerged SDE step). plans.merge_counts_for_entropy picks them by entropy.",
         default=None)
+    tree_branch_at: list[int] = config_field(
+        "tree: base steps at which every node of a group's tree splits into tree_branching "
+        "children (each then takes its own SDE noise); a group is the k^len leaves, so "
+        "training.group_size must equal tree_branching ** len(tree_branch_at).",
+        default_factory=lambda: [0, 1, 2])
+    tree_branching: int = config_field(
+        "tree: children per node at each branch step (k >= 2; BranchGRPO: 2).", default=2)
+    tree_window: tuple[int, int] | None = config_field(
+        "tree: [lo, hi) SDE steps, containing every tree_branch_at step; at a window step that "
+        "is not a branch step each node takes one SDE step (one child); ODE outside. None = "
+        "[first, last + 1) of tree_branch_at (every window step branches).", default=None)
+    tree_trained: list[int] | None = config_field(
+        "tree: the window steps whose edges are trained (BranchGRPO's depth pruning: the other "
+        "steps are sampled, not trained); None = every window step.", default=None)
+    tree_backup: str = config_field(
+        "tree: a node's value from its children's: 'mean' (equal path probabilities) or "
+        "'prob_weighted' (weighted by the softmax of the children's edge log-probs, "
+        "BranchGRPO's tree_prob_weighted; flowgrpo/tree.py backup_values).", default="mean")
 
     def validate(self, num_steps: int) -> None:
         """Raise ConfigError naming ``sampling.plan.<field>`` for the first invalid field."""
@@ -287,6 +328,7 @@ class PlanConfig:
         choice(self.window_strategy, WINDOW_STRATEGIES, prefix + "window_strategy")
         choice(self.window_end, WINDOW_ENDS, prefix + "window_end")
         choice(self.one_step_select, ONE_STEP_SELECTS, prefix + "one_step_select")
+        choice(self.tree_backup, TREE_BACKUPS, prefix + "tree_backup")
         choice(self.solver_after, ODE_SOLVERS, prefix + "solver_after")
         if not is_number(self.train_fraction) or not 0 < self.train_fraction <= 1:
             raise ConfigError(f"{prefix}train_fraction must be in (0, 1] "
@@ -324,6 +366,8 @@ class PlanConfig:
         for name in ("window_range", "branch_range", "one_step_range"):
             _step_range(getattr(self, name), (0, 1), num_steps, prefix + name)
         _merge_pairs(self, num_steps)
+        if self.kind == "tree":
+            tree_steps(self, num_steps)
 
 
 def _merge_pairs(config: PlanConfig, num_steps: int) -> list[tuple[int, int]]:
@@ -607,6 +651,46 @@ def merge_counts_for_entropy(sigmas: Tensor, steps: Sequence[int], noise_level: 
     return tuple(counts)
 
 
+def tree_steps(config: PlanConfig, num_steps: int
+               ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """(window, branch_at, trained) step tuples of a tree plan, validated: the branch steps
+    strictly increasing inside the window [lo, hi) (0 <= lo < hi <= num_steps - 1: the last step
+    is deterministic), k an int >= 2, the trained steps a non-empty subset of the window."""
+    prefix = "sampling.plan."
+    branch_at = config.tree_branch_at
+    if not isinstance(branch_at, (tuple, list)) or not branch_at or \
+            any(isinstance(b, bool) or not isinstance(b, int) for b in branch_at) or \
+            any(b2 <= b1 for b1, b2 in zip(branch_at, branch_at[1:])):
+        raise ConfigError(f"{prefix}tree_branch_at must be a non-empty, strictly increasing list "
+                          f"of step indices (got {branch_at!r})")
+    int_at_least(config.tree_branching, 2, prefix + "tree_branching")
+    lo, hi = _step_range(config.tree_window, (branch_at[0], branch_at[-1] + 1), num_steps,
+                         prefix + "tree_window")
+    if branch_at[0] < lo or branch_at[-1] >= hi or lo < 0 or hi > num_steps - 1:
+        raise ConfigError(f"{prefix}tree_branch_at {list(branch_at)} must lie in tree_window "
+                          f"[{lo}, {hi}) with {hi} <= num_steps - 1 = {num_steps - 1} (the "
+                          f"last step is deterministic)")
+    window = tuple(range(lo, hi))
+    trained = window if config.tree_trained is None else config.tree_trained
+    if not isinstance(trained, (tuple, list)) or not trained or \
+            any(isinstance(s, bool) or not isinstance(s, int) or s not in window
+                for s in trained) or len(set(trained)) != len(trained):
+        raise ConfigError(f"{prefix}tree_trained must be null or a non-empty list of distinct "
+                          f"steps of tree_window [{lo}, {hi}) (got {config.tree_trained!r})")
+    if config.solver_after != "euler":
+        raise ConfigError(f"{prefix}solver_after {config.solver_after!r} is not supported by "
+                          f"kind 'tree' (the tail after the window is Euler): set 'euler'")
+    return window, tuple(branch_at), tuple(sorted(trained))
+
+
+def _tree_plan(config: PlanConfig, sigmas: Tensor, iteration: int, group_id: int,
+               seed: int, time_shift: float | None = None) -> StepPlan:
+    # the same tree for every group and iteration: no draw
+    window, branch_at, trained = tree_steps(config, sigmas.numel() - 1)
+    return StepPlan(sigmas, window, trained, config.solver_after, shared_prefix=window[0],
+                    branch_at=branch_at, branching=config.tree_branching)
+
+
 def _ode_plan(config: PlanConfig, sigmas: Tensor, iteration: int, group_id: int,
               seed: int, time_shift: float | None = None) -> StepPlan:
     # no SDE step: the sample-based algorithms (nft, awm, dgpo, dpo) train on final samples
@@ -677,10 +761,13 @@ def replay_steps_per_chunk(config: PlanConfig, num_steps: int) -> int:
         return min(config.window_size, hi - lo)
     if config.kind == "ode":
         return 0
+    if config.kind == "tree":   # one replay batch per trained window step of a chunk of trees
+        return len(tree_steps(config, num_steps)[2])
     return min(config.window_size, num_steps - 1)
 
 
 # plan kind -> builder(config, sigmas, iteration, group_id, seed, time_shift) -> StepPlan
 PLAN_BUILDERS = {"full": _full_plan, "window": _window_plan, "branch": _branch_plan,
-                 "one_step": _one_step_plan, "merge": _merge_plan, "ode": _ode_plan}
+                 "one_step": _one_step_plan, "merge": _merge_plan, "ode": _ode_plan,
+                 "tree": _tree_plan}
 PLAN_KINDS = tuple(PLAN_BUILDERS)

@@ -26,6 +26,8 @@ from torch import Tensor
 
 from flowgrpo.plans import StepPlan
 from flowgrpo.seeding import seeded_generator
+from flowgrpo.step_values import one_step_prediction
+from flowgrpo.tree_rollout import tree_chunks
 from flowgrpo.sde import StepGaussian, dpmpp_2m_step, euler_step, score_step, transition
 from flowgrpo.model import Conditioning, FlowModel, cfg_gradient, check_source_images
 
@@ -70,6 +72,13 @@ class ReplayBatch:
     # every process) that follows it: rollouts chunk the rows plan by plan in this order, so
     # (bucket, first sample id) sorts every process's replay batches into one process's order.
     bucket: int = 0
+    # A tree plan's step (``tree_rollout.py``): the rows come in runs of ``children`` siblings
+    # that share one input (latents, sigma, prompt); the rollout evaluated the transformer once per
+    # run and ``replay_logp`` does the same. 1: every row its own call row.
+    children: int = 1
+    # (b, ...) float32 one-step predictions x0_hat = x - sigma v of the rows' states, from this
+    # step's velocity (RolloutSettings.keep_x0_predictions: VGPO's step values), else None
+    x0_pred: Tensor | None = None
 
 
 @dataclass
@@ -95,6 +104,14 @@ class RolloutBatch:
     # (B, ...) preservation-region weights like region_masks (locality.keep_region: record), or
     # None: the preservation region is everything outside the edit region
     keep_masks: Tensor | None = None
+    # (B, N) float32 values of the rows' states at their trained steps (the reward of the kept
+    # one-step predictions, NaN where not scored) and (B, N) bool trained steps, N the schedule's
+    # steps (training.advantage: vgpo: the advantages are then (B, N), a column a step), else None
+    step_values: Tensor | None = None
+    trained_steps: Tensor | None = None
+    # (B, N) float32 log-prob of the SDE edge at each window step on the row's path from its
+    # tree's root (tree plans: tree_rollout.py; 0 off the window), else None
+    tree_log_probs: Tensor | None = None
 
     @property
     def trained_transitions(self) -> int:
@@ -122,6 +139,8 @@ class RolloutSettings:
     # sampling.reward_guidance (Euphonium): a ``guided_sde.RewardGuidance`` bound to the batch's
     # prompts, whose ``step_function`` gives each stochastic step its transition; None = unguided.
     guidance: object | None = None
+    # keep each trained step's one-step prediction x - sigma v (ReplayBatch.x0_pred): VGPO
+    keep_x0_predictions: bool = False
 
 
 def encode_rows(model: FlowModel, prompts: list[str], images: list[Tensor] | None = None
@@ -249,7 +268,9 @@ def run_plan(model: FlowModel, plan: StepPlan, latents: Tensor, cond: Conditioni
                     replay.append(ReplayBatch(
                         rows=part(rows), step=i, latents=part(x), next_latents=out.prev_sample,
                         sigmas=part(sigma), sigmas_next=part(sigma_next), logp_old=out.log_prob,
-                        mean_old=out.mean, std=out.std, gaussian=out.gaussian))
+                        mean_old=out.mean, std=out.std, gaussian=out.gaussian,
+                        x0_pred=one_step_prediction(part(x), part(sigma), velocity)
+                        if settings.keep_x0_predictions else None))
                 if index is None:
                     x_next, velocity_all = out.prev_sample, velocity
                 else:
@@ -331,8 +352,30 @@ def rollout(model: FlowModel, prompts: list[str], metadata: list[dict], group_id
     final_rows: list[tuple[Tensor, Tensor]] = []
     replay: list[ReplayBatch] = []
     calls = 0
+    tree_log_probs = None
+
+    def finish(rows: Tensor, x: Tensor) -> None:
+        """A chunk's final latents (kept when asked) and decoded media, handed to on_media."""
+        if settings.keep_final_latents:
+            final_rows.append((rows, x.to(torch.float32).cpu()))
+        media = model.decode(x.to(model.device, model.dtype)).to(torch.float32).cpu()
+        media_rows.append((rows, media))
+        if on_media is not None:
+            on_media(rows, media)
+
     for bucket_rows in buckets.values():
         plan = plans[int(group_ids[bucket_rows[0]])]
+        if plan.branching > 1:   # a tree plan: whole trees per chunk, one call per node
+            for rows, x, chunk_replay, chunk_calls, chunk_log_probs in tree_chunks(
+                    model, plan, bucket_rows, noise, cond_unique, prompt_index, group_ids,
+                    sample_ids, settings):
+                if tree_log_probs is None:
+                    tree_log_probs = torch.zeros(batch, plan.num_steps)
+                tree_log_probs[rows] = chunk_log_probs
+                calls += chunk_calls
+                replay.extend(ReplayBatch(**fields) for fields in chunk_replay)
+                finish(rows, x)
+            continue
         for start in range(0, len(bucket_rows), settings.batch_size):
             rows = torch.tensor(bucket_rows[start:start + settings.batch_size])
             cond = cond_unique.select(prompt_index[rows]).to(model.device)
@@ -357,12 +400,7 @@ def rollout(model: FlowModel, prompts: list[str], metadata: list[dict], group_id
                                                     anchor_steps=anchor_steps)
             calls += chunk_calls * len(rows)
             replay.extend(chunk_replay)
-            if settings.keep_final_latents:
-                final_rows.append((rows, x.to(torch.float32).cpu()))
-            media = model.decode(x.to(model.device, model.dtype)).to(torch.float32).cpu()
-            media_rows.append((rows, media))
-            if on_media is not None:
-                on_media(rows, media)
+            finish(rows, x)
 
     first_media = media_rows[0][1]
     all_media = torch.empty((batch, *first_media.shape[1:]), dtype=torch.float32)
@@ -376,7 +414,7 @@ def rollout(model: FlowModel, prompts: list[str], metadata: list[dict], group_id
     return RolloutBatch(prompts=list(prompts), metadata=list(metadata), group_ids=group_ids,
                         sample_ids=sample_ids, media=all_media, replay=replay,
                         nfe=calls // max(batch, 1), images=None if images is None else list(images),
-                        final_latents=final_latents)
+                        final_latents=final_latents, tree_log_probs=tree_log_probs)
 
 
 def replay_logp(model: FlowModel, replay: ReplayBatch, cond: Conditioning, settings: RolloutSettings
@@ -387,6 +425,15 @@ def replay_logp(model: FlowModel, replay: ReplayBatch, cond: Conditioning, setti
     transition kind, noise level and coefficients as the rollout), CFG's branches run as
     ``settings.cfg_gradient`` says (as in the rollout's call of this step).
     """
+    if replay.children > 1:   # a tree's branch step: one call per parent, as in the rollout
+        parents = torch.arange(0, len(replay.rows), replay.children)
+        pick = parents.to(replay.latents.device)
+        with cfg_gradient(settings.cfg_gradient):
+            velocity = model.velocity(replay.latents[pick].to(model.dtype),
+                                      replay.sigmas[pick.to(replay.sigmas.device)],
+                                      cond.select(parents), settings.guidance_scale)
+        velocity = velocity.repeat_interleave(replay.children, dim=0)
+        return score_step(velocity, replay.latents, replay.next_latents, replay.gaussian)
     with cfg_gradient(settings.cfg_gradient):
         velocity = model.velocity(replay.latents.to(model.dtype), replay.sigmas, cond,
                                   settings.guidance_scale)

@@ -23,6 +23,11 @@ from flowgrpo.advantages import (PER_COMPONENT, decoupled_advantages, diversity_
 from flowgrpo.errors import ConfigError, RunStopped
 from flowgrpo.guards import gate_uncertainty, media_features
 from flowgrpo.prompts import mixed_groups
+from flowgrpo.step_values import STEP_VALUES_KEY, TRAINED_STEPS_KEY, vgpo_advantages
+from flowgrpo.tree import tree_advantages, tree_shape
+
+# the gathered (B, N) edge log-probs of a tree rollout (RolloutBatch.tree_log_probs)
+TREE_LOG_PROBS_KEY = "tree/edge_log_probs"
 
 
 Estimate = tuple[Tensor, dict[str, float], dict[str, float]]
@@ -88,15 +93,54 @@ def group_estimate(config, weights: dict[str, float], gathered: dict[str, Tensor
     return advantages, stats, {}
 
 
+def vgpo_estimate(config, weights: dict[str, float], gathered: dict[str, Tensor],
+                  group_ids: Tensor) -> Estimate:
+    """VGPO's (training.advantage: vgpo): (B, N) advantages, a column a step of the rollout
+    schedule, from the values of the trained states (the rewards of their one-step predictions,
+    gathered under ``STEP_VALUES_KEY`` with the trained steps under ``TRAINED_STEPS_KEY``) and
+    the total reward (``step_values.vgpo_advantages``)."""
+    t = config.training
+    v = t.vgpo
+    advantages, stats = vgpo_advantages(
+        gathered[STEP_VALUES_KEY], gathered[TRAINED_STEPS_KEY] > 0, gathered["total"], group_ids,
+        discount=v.discount, absolute_weight=v.absolute_weight, anchor=v.anchor,
+        scale=t.adv_scale, ddof=t.adv_ddof, eps=t.adv_eps, clip=t.adv_clip or None)
+    return advantages, stats, {}
+
+
+def tree_estimate(config, weights: dict[str, float], gathered: dict[str, Tensor],
+                  group_ids: Tensor) -> Estimate:
+    """TreeGRPO / BranchGRPO's (sampling.plan.kind: tree): (B, N) advantages, a column a step
+    of the rollout schedule: each trained edge the depth-wise normalised backed-up value of its
+    child node (``tree.tree_advantages``), the leaves' rewards the total; with
+    ``tree_backup: prob_weighted`` the node values weigh the children by their edge log-probs
+    (gathered under ``TREE_LOG_PROBS_KEY``)."""
+    t, s = config.training, config.sampling
+    weighted = s.plan.tree_backup == "prob_weighted"
+    advantages, stats = tree_advantages(
+        gathered["total"], group_ids, tree_shape(s.plan, s.num_steps), s.num_steps,
+        scale=t.adv_scale, ddof=t.adv_ddof, eps=t.adv_eps, clip=t.adv_clip or None,
+        path_log_probs=gathered[TREE_LOG_PROBS_KEY] if weighted else None)
+    return advantages, stats, {}
+
+
 # name -> estimator(config, reward weights, gathered rewards, group ids) ->
-# (advantages (B,) or (B, 2), statistics, saturation statistics)
+# (advantages (B,) or (B, 2), or (B, N) a column a step for vgpo, statistics, saturation statistics)
 ADVANTAGE_ESTIMATORS = {"region": region_estimate, "per_component": per_component_estimate,
-                        "saturation": saturation_estimate, "group": group_estimate}
+                        "saturation": saturation_estimate, "group": group_estimate,
+                        "vgpo": vgpo_estimate, "tree": tree_estimate}
+# the estimators whose advantages are (B, N), a column a step of the rollout schedule
+PER_STEP_ESTIMATORS = ("vgpo", "tree")
 
 
 def advantage_estimator(config) -> str:
     """Which estimator a config asks for: the regions of training.locality, GDPO's per-component
-    aggregation, the saturation-weighted sum, or the group-normalised total."""
+    aggregation, the saturation-weighted sum, or the group-normalised total; or the one
+    training.advantage names."""
+    if config.training.advantage != "auto":
+        return config.training.advantage
+    if config.policy == "flow" and config.sampling.plan.kind == "tree":
+        return "tree"
     if config.training.locality.enabled:
         return "region"
     if config.rewards.aggregation in PER_COMPONENT:
@@ -151,8 +195,17 @@ class TrainerAdvantages:
         self.returned = {k: describe_returned(v) for k, v in returned.items() if k != "total"}
         group_ids = acc.gather(batch.group_ids.to(device)).cpu()
         estimator = ADVANTAGE_ESTIMATORS[advantage_estimator(self.config)]
+        inputs = gathered
+        if getattr(batch, "step_values", None) is not None:   # per-step values (vgpo)
+            inputs = {**gathered, STEP_VALUES_KEY: mask_nonfinite(
+                          acc.gather(batch.step_values.to(device)).cpu())[0],
+                      TRAINED_STEPS_KEY: acc.gather(
+                          batch.trained_steps.to(device, torch.float32)).cpu()}
+        if getattr(batch, "tree_log_probs", None) is not None:   # a tree plan's edges
+            inputs = {**inputs, TREE_LOG_PROBS_KEY: acc.gather(
+                batch.tree_log_probs.to(device)).cpu()}
         advantages, stats, saturation_stats = estimator(self.config, self.reward.weights,
-                                                        gathered, group_ids)
+                                                        inputs, group_ids)
         local = len(batch.prompts)
         start = acc.process_index * local
         metrics = {f"adv/{k}": float(v) for k, v in stats.items()}
@@ -200,10 +253,14 @@ class TrainerAdvantages:
             streaks[key] = streaks.get(key, 0) + 1 if value is not None else 0
             if streaks[key] != t.constant_reward_iterations:
                 continue
+            # VGPO's absolute term still moves a constant reward's samples; nothing else does
+            absolute = advantage_estimator(self.config) == "vgpo" and t.vgpo.absolute_weight
+            effect = ("its group-relative advantages are all zero (only VGPO's absolute term "
+                      "acts)" if absolute else "its advantages are all zero, so it teaches nothing")
             message = (f"reward {name} gave every sample the value {value:.6g} in each of the "
-                       f"last {streaks[key]} iterations ({done - streaks[key] + 1}-{done}): its "
-                       f"advantages are all zero, so it teaches nothing. Check its inputs and "
-                       f"options (training.on_constant_reward: warn | stop | ignore)")
+                       f"last {streaks[key]} iterations ({done - streaks[key] + 1}-{done}): "
+                       f"{effect}. Check its inputs and options (training.on_constant_reward: "
+                       f"warn | stop | ignore)")
             if t.on_constant_reward == "stop":
                 raise ConstantRewardError(message)
             if self.accelerator.is_main_process:

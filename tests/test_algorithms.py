@@ -48,28 +48,31 @@ FAMILY_RECIPES = {"sd3": "sd3_pickscore", "flux": "flux_flowgrpo", "flux_kontext
                   "qwen_image": "qwen_image_ocr", "wan": "wan_video", "wan_i2v": "wan_i2v_pickscore",
                   "flux2": "flux2_klein_pickscore",
                   "qwen_image_edit_plus": "qwen_image_edit_plus_pickscore", "z_image": "z_image_turbo_pickscore",
-                  "hunyuan_video": "hunyuan_video_dance_grpo"}
+                  "hunyuan_video": "hunyuan_video_dance_grpo", "ltx2": "ltx2_pickscore"}
 
 
-@pytest.fixture(scope="module")
-def tiny_root(tmp_path_factory):
-    return tmp_path_factory.mktemp("tiny_builds_algorithms")
+def family_tiny_config(family: str, tmp_path, tiny_recipe_root, *overrides: str):
+    """One iteration of ``family``'s recipe (FAMILY_RECIPES) on its tiny build, 3 steps, one
+    optimiser step, plus ``overrides`` (Qwen-Image's OCR reward swapped for a cheap one)."""
+    recipe = FAMILY_RECIPES[family]
+    reward = ["rewards.components=[{name: jpeg_compressibility}]"] \
+        if recipe in ("qwen_image_ocr",) else []
+    return load_tiny_config(f"configs/{recipe}.yaml", [
+        f"run.output_dir={tmp_path}", "run.progress=false", "run.comparison_grid=false",
+        "run.max_iterations=1", "sampling.num_steps=3", "prompts.num_eval=1",
+        "training.optimizer_steps_per_epoch=1", *reward, *overrides], root=tiny_recipe_root)
+
+
 
 
 @pytest.mark.parametrize("algorithm", SAMPLE_ALGORITHMS)
 @pytest.mark.parametrize("family", sorted(FAMILY_RECIPES))
-def test_every_algorithm_runs_on_every_family(family, algorithm, tiny_root, tmp_path):
+def test_every_algorithm_runs_on_every_family(family, algorithm, tiny_recipe_root, tmp_path):
     """One iteration of each sample-based algorithm on each family's tiny build through its
     recipe's --tiny config (CFG, guidance embeddings, editing sources and video included): the
     rollout keeps final latents and no transition, the update takes an optimiser step with a
     finite loss."""
-    recipe = FAMILY_RECIPES[family]
-    reward = ["rewards.components=[{name: jpeg_compressibility}]"] \
-        if recipe in ("qwen_image_ocr",) else []
-    config = load_tiny_config(f"configs/{recipe}.yaml", [
-        f"run.output_dir={tmp_path}", "run.progress=false", "run.comparison_grid=false",
-        "run.max_iterations=1", "sampling.num_steps=3", "prompts.num_eval=1",
-        "training.optimizer_steps_per_epoch=1", *reward, *_algorithm(algorithm)], root=tiny_root)
+    config = family_tiny_config(family, tmp_path, tiny_recipe_root, *_algorithm(algorithm))
     assert config.model.family == family
     history = Trainer(config).train()
     train = [h for h in history if h["phase"] == "train"]

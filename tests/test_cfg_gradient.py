@@ -236,9 +236,6 @@ CFG_RECIPES = {"sd3": ("sd3_pickscore", 3), "qwen_image": ("qwen_image_ocr", 10)
                "wan": ("wan_video", 20), "wan22": ("wan22_video", 3)}
 
 
-@pytest.fixture(scope="module")
-def tiny_root(tmp_path_factory):
-    return tmp_path_factory.mktemp("tiny_builds_cfg_gradient")
 
 
 def _assert_split_update(trainer: Trainer, iteration: int = 0) -> dict:
@@ -263,14 +260,14 @@ def _assert_split_update(trainer: Trainer, iteration: int = 0) -> dict:
 
 @pytest.mark.parametrize("family", sorted(CFG_RECIPES))
 def test_every_real_cfg_family_trains_with_the_unconditional_branch_detached(
-        family, tiny_root, tmp_path):
+        family, tiny_recipe_root, tmp_path):
     recipe, steps = CFG_RECIPES[family]
     config = load_tiny_config(f"configs/{recipe}.yaml", [
         f"run.output_dir={tmp_path}", "run.progress=false", "run.comparison_grid=false",
         f"sampling.num_steps={steps}", "prompts.num_eval=1",
         "training.optimizer_steps_per_epoch=1",
         "training.skip_zero_std_groups=false", "training.cfg_gradient=conditional",
-        "rewards.components=[{name: jpeg_compressibility}]"], root=tiny_root)
+        "rewards.components=[{name: jpeg_compressibility}]"], root=tiny_recipe_root)
     assert config.sampling.guidance_scale > 1
     if family == "wan22":
         # both experts train and the low-noise one runs at its own scale

@@ -277,3 +277,17 @@ def test_tiny_sd3_iteration_is_on_policy_on_its_first_pass(tiny_sd3_path, tmp_pa
     assert train[0]["train/first_pass_ratio_max_dev"] == 0.0
     assert train[0]["trained_transitions"] == 8
     assert math.isfinite(train[0]["train/policy_loss"])
+
+
+@needs_toy
+def test_replay_batch_count_matches_the_rollout_when_groups_chunk_apart(tmp_path):
+    """A merge plan differs between groups, so each group rolls out in its own chunks: with
+    rollout_batch_size 8 and groups of 4, 4 groups make 4 replay batches (not 16 / 8 = 2), the
+    count the optimiser-step split (gradient_accumulation_steps) is derived from."""
+    from flowgrpo.flow_batches import replay_batches_per_process
+    from flowgrpo.trainer import Trainer
+
+    config = toy_config(tmp_path, "run.max_iterations=1")
+    batch, _, _ = Trainer(config).rollout_and_score(0)
+    assert len(batch.replay) == 4
+    assert replay_batches_per_process(config, 1) == len(batch.replay)
