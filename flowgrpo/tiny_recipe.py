@@ -52,7 +52,7 @@ TINY_CLIP_PROJECTION = 16
 _PLACEMENT_OPTIONS = {"offload_text_encoders": False, "offload_vae": False,
                       "attention_backend": "sdpa", "text_encoder_dtype": None, "vae_dtype": None}
 # Families whose model is replaced by a tiny build (toy is already tiny and CPU-sized).
-_VIDEO_FAMILIES = ("wan", "wan_i2v", "hunyuan_video")
+_VIDEO_FAMILIES = ("wan", "wan_i2v", "hunyuan_video", "ltx2")
 
 
 def tiny_root(root: str | os.PathLike | None = None) -> Path:
@@ -164,6 +164,11 @@ def _tiny_rewards(components: Any, root) -> Any:
         elif name in TINY_REWARDS:
             spec["options"] = TINY_REWARDS[name](dict(options or {}), root)
             out.append(spec)
+        elif name in _NESTED_REWARD_KEYS and isinstance(options, dict):
+            # a groupwise reward over a pointwise one (win_rate's pairwise.of, group_rank's of):
+            # the inner reward on its tiny build too
+            spec["options"] = _tiny_nested(options, _NESTED_REWARD_KEYS[name], root)
+            out.append(spec)
         elif name == "remote":
             label = (options or {}).get("label")
             out.append({"name": TINY_REMOTE_STAND_IN, "weight": spec.get("weight", 1.0),
@@ -171,6 +176,29 @@ def _tiny_rewards(components: Any, root) -> Any:
         else:
             out.append(spec)
     return out
+
+
+# groupwise rewards -> the path of the pointwise reward spec inside their options
+_NESTED_REWARD_KEYS = {"win_rate": ("pairwise", "of"), "group_rank": ("of",)}
+
+
+def _tiny_nested(options: dict, path: tuple[str, ...], root) -> dict:
+    """``options`` with the reward spec at ``path`` (a name or ``{name: ..., <options>}``, options
+    flat) on its tiny build; anything of another shape is left for the config's check to name."""
+    head, rest = path[0], path[1:]
+    inner = options.get(head)
+    if rest:
+        if not isinstance(inner, dict):
+            return options
+        return {**options, head: _tiny_nested(inner, rest, root)}
+    if isinstance(inner, str):
+        spec = {"name": inner}
+    elif isinstance(inner, dict) and isinstance(inner.get("name"), str):
+        spec = {"name": inner["name"], "options": {k: v for k, v in inner.items() if k != "name"}}
+    else:
+        return options
+    (tiny,) = _tiny_rewards([spec], root)
+    return {**options, head: {"name": tiny["name"], **(tiny.get("options") or {})}}
 
 
 def _tiny_prompts(raw: dict) -> dict:

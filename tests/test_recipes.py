@@ -34,6 +34,9 @@ SHIPPED = {
     "wan_i2v_pickscore": (2, 8),   # Flow-Factory grpo/lora/wan21/i2v: 8 processes
     "z_image_turbo_pickscore": (2, 8),   # Flow-Factory grpo/lora/z_image_turbo: 8 processes
     "hunyuan_video_dance_grpo": (2, 32),   # DanceGRPO finetune_hunyuan_grpo.sh: 4 nodes x 8 GPUs
+    "ltx2_pickscore": (2, 8),    # Flow-Factory grpo/lora/ltx2/t2av_pickscore: 8 processes
+    "flux_e_grpo": (3, 8),       # E-GRPO train_grpo_merge.sh: 8 GPUs, a step per branch step
+    "flux_pref_grpo": (2, 64),   # Pref-GRPO finetune_prefgrpo_flux.sh: 8 nodes x 8 GPUs
 }
 # The sample-based algorithms' recipes: (optimiser steps per epoch, the anchor's process count).
 SAMPLE_SHIPPED = {
@@ -56,6 +59,14 @@ ANCHOR_ACCUMULATION = {"sd3_ocr": 2 * 9, "sd3_pickscore": 2 * 9, "sd3_fast_cps":
                        # 24 one-video rollouts x 9 trained steps, 2 steps an epoch (DanceGRPO:
                        # its best 4 + worst 4 of the 24 x 9 steps, accumulation 4 -> 4 * 9)
                        "hunyuan_video_dance_grpo": 24 * 9 // 2,
+                       # Flow-Factory ltx2: 96 one-sample batches x 3 SDE steps, 2 steps an epoch
+                       "ltx2_pickscore": 96 * 3 // 2,
+                       # E-GRPO: a step per branch step, each one group of 12 a GPU at that
+                       # step (here 3 groups a GPU, one replay batch each, over 3 steps)
+                       "flux_e_grpo": 1,
+                       # Pref-GRPO: 4 one-image batches x 14 steps a step; here a GPU's group
+                       # makes 24 step batches (its rows training each step), 12 a step
+                       "flux_pref_grpo": 24 // 2,
                        # DiffusionNFT: 16 sample batches x 9 timesteps a step
                        "sd3_nft_pickscore": 16 * 9,
                        # DGPO: 12 micro-batches of half a group x 4 levels there; whole groups
@@ -65,7 +76,10 @@ ANCHOR_ACCUMULATION = {"sd3_ocr": 2 * 9, "sd3_pickscore": 2 * 9, "sd3_fast_cps":
 # JPEG size instead, so that steps are taken.
 OCR_RECIPES = ("sd3_ocr", "qwen_image_ocr", "wan22_video")
 # Tiny runs slower than ~20 s on one thread (the Wan2.2 build trains 19 steps on two experts).
-SLOW_TINY = ("wan22_video",)
+SLOW_TINY = ("wan22_video", "flux_pref_grpo")   # flux_pref_grpo: 25 SDE steps, 14 trained
+# Overrides of a recipe's tiny run: flux_e_grpo takes a step per branch step (3) and a tiny run's
+# 2 groups make 2 replay batches, so its tiny run has a group for each branch step.
+TINY_RUN_OVERRIDES = {"flux_e_grpo": ["training.prompts_per_iteration=3"]}
 METHOD_FIELDS = [
     "sampling.num_steps", "sampling.kind", "sampling.noise_level", "sampling.log_prob",
     "sampling.sigma_schedule", "sampling.sigma_shift", "sampling.sigma_schedule_start",
@@ -87,12 +101,6 @@ def _field(config, dotted: str):
     for part in dotted.split("."):
         value = getattr(value, part)
     return value
-
-
-@pytest.fixture(scope="session")
-def tiny_builds(tmp_path_factory):
-    """One folder of tiny builds (models and reward weights) for the whole session."""
-    return tmp_path_factory.mktemp("tiny_builds")
 
 
 def _run_tiny(name: str, root, out, overrides=()):
@@ -128,9 +136,9 @@ def test_shipped_recipe_steps_the_optimiser_like_its_anchor(name):
 
 
 @pytest.mark.parametrize("name", sorted(SHIPPED) + sorted(SAMPLE_SHIPPED))
-def test_tiny_config_keeps_the_method_settings_and_shrinks_the_rest(name, tiny_builds):
+def test_tiny_config_keeps_the_method_settings_and_shrinks_the_rest(name, tiny_recipe_root):
     recipe = load_config(f"configs/{name}.yaml")
-    tiny = load_tiny_config(f"configs/{name}.yaml", root=tiny_builds)
+    tiny = load_tiny_config(f"configs/{name}.yaml", root=tiny_recipe_root)
     for dotted in METHOD_FIELDS:
         assert _field(tiny, dotted) == _field(recipe, dotted), dotted
     stand_in = {"remote": TINY_REMOTE_STAND_IN}
@@ -142,18 +150,18 @@ def test_tiny_config_keeps_the_method_settings_and_shrinks_the_rest(name, tiny_b
     assert tiny.model.dtype == "float32" and tiny.training.mixed_precision == "no"
     assert not tiny.model.gradient_checkpointing
     assert tiny.model.options["height"] == tiny.model.options["width"] == 32
-    assert (tiny_builds / tiny_build_name(recipe.model.family, recipe.model.path)
+    assert (tiny_recipe_root / tiny_build_name(recipe.model.family, recipe.model.path)
             / "model_index.json").is_file()
     assert tiny.training.prompts_per_iteration * tiny.training.group_size == 8
     for component in [*tiny.rewards.components, *tiny.eval.rewards]:
         for key in ("model", "processor", "head"):
             if key in component.options:
-                assert str(tiny_builds) in str(component.options[key])
+                assert str(tiny_recipe_root) in str(component.options[key])
     assert [c.name for c in tiny.eval.rewards] == [c.name for c in recipe.eval.rewards]
 
 
 @pytest.mark.parametrize("path", sorted(Path("configs").glob("*.yaml")), ids=lambda p: p.stem)
-def test_every_config_loads_and_tiny_replaces_its_hub_weight_held_out_rewards(path, tiny_builds):
+def test_every_config_loads_and_tiny_replaces_its_hub_weight_held_out_rewards(path, tiny_recipe_root):
     """Every shipped config validates; --tiny points every hub-weight reward of eval.rewards
     (CLIP-based: PickScore, CLIP score, aesthetic, temporal consistency) at the tiny builds and
     leaves the others (toy_artifacts) as they are."""
@@ -165,9 +173,9 @@ def test_every_config_loads_and_tiny_replaces_its_hub_weight_held_out_rewards(pa
     raw = yaml.safe_load(path.read_text())
     specs = (raw.get("eval") or {}).get("rewards") or []
     assert [s["name"] for s in specs] == [s.name for s in config.eval.rewards]
-    for before, after in zip(specs, _tiny_rewards(specs, tiny_builds)):
+    for before, after in zip(specs, _tiny_rewards(specs, tiny_recipe_root)):
         if before["name"] in TINY_REWARDS:
-            assert str(after["options"]["model"]).startswith(str(tiny_builds)), before
+            assert str(after["options"]["model"]).startswith(str(tiny_recipe_root)), before
             kept = {k: v for k, v in (before.get("options") or {}).items()
                     if k not in ("model", "processor", "head", "pretrained", "backend")}
             assert kept.items() <= after["options"].items()
@@ -175,13 +183,34 @@ def test_every_config_loads_and_tiny_replaces_its_hub_weight_held_out_rewards(pa
             assert after == before
 
 
-def test_tiny_overrides_win_and_llm_recipes_are_refused(tiny_builds):
+def test_tiny_overrides_win_and_llm_recipes_are_refused(tiny_recipe_root):
     config = load_tiny_config("configs/sd3_pickscore.yaml", ["training.group_size=2",
                                                              "sampling.rollout_batch_size=2"],
-                              root=tiny_builds)
+                              root=tiny_recipe_root)
     assert config.training.group_size == 2 and config.sampling.rollout_batch_size == 2
     with pytest.raises(InputError, match="flow recipes"):
-        load_tiny_config("configs/llm_arith.yaml", root=tiny_builds)
+        load_tiny_config("configs/llm_arith.yaml", root=tiny_recipe_root)
+
+
+def test_tiny_puts_a_groupwise_rewards_inner_reward_on_its_tiny_build(tiny_recipe_root):
+    """win_rate's pairwise.of and group_rank's of (a name or a flat spec) get the tiny weights;
+    the rest of the options stay."""
+    from flowgrpo.tiny_recipe import _tiny_rewards
+
+    specs = [{"name": "win_rate", "weight": 0.7,
+              "options": {"pairwise": {"model": "bradley_terry", "of": "pickscore",
+                                       "temperature": 1.0}, "wins": "hard"}},
+             {"name": "group_rank", "options": {"of": {"name": "clip_score", "scale": 2.0}}},
+             {"name": "group_rank", "options": {"of": {"name": "geneval_toy", "score": "partial"}}}]
+    win, rank, toy = _tiny_rewards(specs, tiny_recipe_root)
+    inner = win["options"]["pairwise"]["of"]
+    assert inner["name"] == "pickscore" and str(tiny_recipe_root) in inner["model"]
+    assert win["options"]["pairwise"]["temperature"] == 1.0 and win["options"]["wins"] == "hard"
+    assert win["weight"] == 0.7
+    clip = rank["options"]["of"]
+    assert clip["name"] == "clip_score" and clip["scale"] == 2.0
+    assert str(tiny_recipe_root) in clip["model"]
+    assert toy == specs[2]
 
 
 # --------------------------------------------------------------------- two iterations each
@@ -189,14 +218,15 @@ def test_tiny_overrides_win_and_llm_recipes_are_refused(tiny_builds):
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_TINY else n
                                   for n in sorted(SHIPPED)])
-def test_shipped_recipe_runs_two_iterations_on_its_tiny_build(name, tiny_builds, tmp_path):
+def test_shipped_recipe_runs_two_iterations_on_its_tiny_build(name, tiny_recipe_root, tmp_path):
     """Every iteration takes the recipe's optimiser steps; the replays scored after the first
     step are off-policy (ratios != 1) while the first pass stays exactly on-policy. The OCR
     recipes' reward scores random tiny images 0 (no group varies), so their runs score JPEG size
     instead; kontext_edit's reward servers are stood in for by JPEG size (tiny_recipe)."""
     overrides = ["rewards.components=[{name: jpeg_compressibility}]"] if name in OCR_RECIPES \
         else []
-    config, trainer, train = _run_tiny(name, tiny_builds, tmp_path / "runs", overrides)
+    overrides += TINY_RUN_OVERRIDES.get(name, [])
+    config, trainer, train = _run_tiny(name, tiny_recipe_root, tmp_path / "runs", overrides)
     steps = SHIPPED[name][0]
     assert len(train) == 2
     for record in train:
@@ -208,10 +238,10 @@ def test_shipped_recipe_runs_two_iterations_on_its_tiny_build(name, tiny_builds,
 
 
 @pytest.mark.parametrize("name", sorted(SAMPLE_SHIPPED))
-def test_sample_recipe_runs_two_iterations_on_its_tiny_build(name, tiny_builds, tmp_path):
+def test_sample_recipe_runs_two_iterations_on_its_tiny_build(name, tiny_recipe_root, tmp_path):
     """A sample-based recipe on its tiny build: every final sample at its levels, the recipe's
     optimiser steps, the old policy's decay after each iteration, a checkpoint with it."""
-    config, trainer, train = _run_tiny(name, tiny_builds, tmp_path / "runs")
+    config, trainer, train = _run_tiny(name, tiny_recipe_root, tmp_path / "runs")
     t = config.training
     assert len(train) == 2
     for record in train:
@@ -223,17 +253,17 @@ def test_sample_recipe_runs_two_iterations_on_its_tiny_build(name, tiny_builds, 
     assert (trainer.run_dir / "checkpoints" / "2" / "algorithm.safetensors").is_file()
 
 
-def test_a_tiny_clip_range_clips(tiny_builds, tmp_path):
-    _, _, train = _run_tiny("sd3_pickscore", tiny_builds, tmp_path / "runs",
+def test_a_tiny_clip_range_clips(tiny_recipe_root, tmp_path):
+    _, _, train = _run_tiny("sd3_pickscore", tiny_recipe_root, tmp_path / "runs",
                             ["training.clip_low=1.0e-7", "run.max_iterations=1"])
     assert train[0]["train/clip_fraction"] > 0
     assert train[0]["train/clip_fraction_active"] > 0
 
 
-def test_kl_reward_is_zero_on_policy_then_positive(tiny_builds, tmp_path):
+def test_kl_reward_is_zero_on_policy_then_positive(tiny_recipe_root, tmp_path):
     """Flow-GRPO's KL reward: the rollout's KL to the reference is 0 before any update (LoRA B is
     0) and positive after it, and it is subtracted from the total reward."""
-    _, _, train = _run_tiny("sd3_pickscore", tiny_builds, tmp_path / "runs",
+    _, _, train = _run_tiny("sd3_pickscore", tiny_recipe_root, tmp_path / "runs",
                             ["training.kl_reward=0.5"])
     first, second = (record[f"reward/{KL_REWARD_KEY}/mean"] for record in train)
     assert first == 0.0 and second > 0.0
@@ -242,8 +272,8 @@ def test_kl_reward_is_zero_on_policy_then_positive(tiny_builds, tmp_path):
     assert train[1]["train/kl"] > 0.0
 
 
-def test_dance_grpo_per_sample_steps_train_on_policy(tiny_builds, tmp_path):
-    _, _, train = _run_tiny("sd3_pickscore", tiny_builds, tmp_path / "runs",
+def test_dance_grpo_per_sample_steps_train_on_policy(tiny_recipe_root, tmp_path):
+    _, _, train = _run_tiny("sd3_pickscore", tiny_recipe_root, tmp_path / "runs",
                             ["sampling.plan.train_select=random_per_sample",
                              "sampling.plan.train_fraction=0.6", "run.max_iterations=1"])
     assert train[0]["train/first_pass_ratio_max_dev"] == 0.0
@@ -251,12 +281,80 @@ def test_dance_grpo_per_sample_steps_train_on_policy(tiny_builds, tmp_path):
     assert train[0]["train/optimizer_steps"] == 2
 
 
-def test_cli_tiny_trains_a_recipe_offline_on_the_cpu(tiny_builds, tmp_path, monkeypatch):
+def test_pref_grpo_recipe_advantages_are_the_anchors_weighted_group_z_scores():
+    """flux_pref_grpo's advantages, through the trainer's estimator, are Pref-GRPO's
+    (train_flux_pref_grpo.py at c06662d): 0.7 x the win rate's group z-score + 1.4 x CLIP
+    score's, each with torch's unbiased std + 1e-8, no batch renormalisation, clipped to 5; the
+    win rates of hard Bradley-Terry wins are Pref-GRPO's counting (every pair once, 1 a win,
+    1/2 each on a tie, wins over comparisons)."""
+    from flowgrpo.trainer_advantages import per_component_estimate
+    from reward_models.group import bradley_terry_matrix, win_rates
+
+    config = load_config("configs/flux_pref_grpo.yaml")
+    weights = {c.name: c.weight for c in config.rewards.components}
+    assert weights == {"win_rate": 0.7, "clip_score": 1.4}
+    generator = torch.Generator().manual_seed(0)
+    group_ids = torch.arange(16) // 8
+    pickscore = torch.randn(16, generator=generator).round(decimals=1)
+    pickscore[3] = pickscore[5]                                      # a tie in group 0
+    clip = torch.rand(16, generator=generator)
+
+    def counted(scores: list[float]) -> list[float]:
+        wins = [0.0] * len(scores)
+        for i in range(len(scores)):
+            for j in range(i + 1, len(scores)):
+                if scores[i] > scores[j]:
+                    wins[i] += 1
+                elif scores[j] > scores[i]:
+                    wins[j] += 1
+                else:
+                    wins[i] += 0.5
+                    wins[j] += 0.5
+        return [w / (len(scores) - 1) for w in wins]
+
+    win_rate = torch.cat([win_rates(bradley_terry_matrix(pickscore[group_ids == g]), "hard")
+                          for g in (0, 1)])
+    assert win_rate.tolist() == pytest.approx(
+        [r for g in (0, 1) for r in counted(pickscore[group_ids == g].tolist())])
+
+    def group_z(values: torch.Tensor) -> torch.Tensor:
+        out = torch.empty_like(values)
+        for g in (0, 1):
+            members = values[group_ids == g]
+            out[group_ids == g] = (members - members.mean()) / (members.std() + 1e-8)
+        return out
+
+    advantages, _, _ = per_component_estimate(config, weights,
+                                              {"win_rate": win_rate, "clip_score": clip},
+                                              group_ids)
+    expected = (0.7 * group_z(win_rate) + 1.4 * group_z(clip)).clamp(-5, 5)
+    torch.testing.assert_close(advantages, expected, rtol=0, atol=1e-5)
+
+
+def test_e_grpo_recipe_merges_by_the_entropy_rule_on_its_schedule():
+    """flux_e_grpo's merge counts are E-GRPO's entropy rule at 1.1 on its rollout schedule: each
+    merged step is above the threshold, which is above every single step of the schedule's first
+    half, and one step fewer would fall below it."""
+    from flowgrpo.plans import merge_counts_for_entropy
+    from flowgrpo.sde import shifted_linear_sigmas, step_entropy
+
+    s = load_config("configs/flux_e_grpo.yaml").sampling
+    sigmas = shifted_linear_sigmas(s.num_steps, s.sigma_shift, s.sigma_schedule_start)
+    assert tuple(s.plan.merge_counts) == \
+        merge_counts_for_entropy(sigmas, s.plan.merge_at, s.noise_level, 1.1)
+    for k, m in zip(s.plan.merge_at, s.plan.merge_counts):
+        assert float(step_entropy(s.kind, sigmas[k], sigmas[k + m], s.noise_level)) >= 1.1
+        assert float(step_entropy(s.kind, sigmas[k], sigmas[k + m - 1], s.noise_level)) < 1.1
+    assert max(float(step_entropy(s.kind, sigmas[k], sigmas[k + 1], s.noise_level))
+               for k in range(s.num_steps // 2)) < 1.1
+
+
+def test_cli_tiny_trains_a_recipe_offline_on_the_cpu(tiny_recipe_root, tmp_path, monkeypatch):
     """``flowgrpo train configs/sd3_ocr.yaml --tiny``: the recipe as shipped (its OCR reward runs
     offline), a run folder of its own, a CPU device."""
     from flowgrpo.cli import main
 
-    monkeypatch.setenv("FLOWGRPO_TINY_DIR", str(tiny_builds))
+    monkeypatch.setenv("FLOWGRPO_TINY_DIR", str(tiny_recipe_root))
     monkeypatch.setenv("ACCELERATE_USE_CPU", "false")      # restored after; the CLI sets it
     code = main(["train", "configs/sd3_ocr.yaml", f"run.output_dir={tmp_path}",
                  "run.progress=false", "run.comparison_grid=false", "prompts.num_eval=1",
@@ -316,10 +414,10 @@ def test_step_weights_are_normalised_over_every_process():
 # --------------------------------------------------------------------- adapters' default size
 
 
-def test_sd3_without_size_options_samples_at_the_checkpoints_size(tiny_builds):
+def test_sd3_without_size_options_samples_at_the_checkpoints_size(tiny_recipe_root):
     from pipelines import load_model
 
-    path = ensure_tiny_model("sd3", tiny_builds)
+    path = ensure_tiny_model("sd3", tiny_recipe_root)
     model = load_model("sd3", path, options={"max_sequence_length": 16})
     pipe = model.to_pipeline()
     expected = pipe.default_sample_size * pipe.vae_scale_factor
@@ -338,10 +436,10 @@ def test_sd3_without_size_options_samples_at_the_checkpoints_size(tiny_builds):
     torch.testing.assert_close(ours, stock, rtol=0, atol=1e-4)
 
 
-def test_flux_without_size_options_samples_at_the_pipelines_default_size(tiny_builds):
+def test_flux_without_size_options_samples_at_the_pipelines_default_size(tiny_recipe_root):
     from pipelines import load_model
 
-    path = ensure_tiny_model("flux", tiny_builds)
+    path = ensure_tiny_model("flux", tiny_recipe_root)
     model = load_model("flux", path, options={"max_sequence_length": 16})
     pipe = model.to_pipeline()
     expected = pipe.default_sample_size * pipe.vae_scale_factor
