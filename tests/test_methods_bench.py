@@ -63,6 +63,12 @@ IS = {
     # TempFlow-GRPO: one branch step a group, cycling over the schedule; noise-aware weights
     "tempflow_grpo": dict(kind="flow_sde", stochastic=1, trained="stochastic", moves="group",
                           solver="euler", shared=True, loss_scale="noise_aware"),
+    # TreeGRPO / BranchGRPO: a tree a group, binary splits at each of the window's 3 SDE steps
+    "tree_grpo": dict(kind="flow_sde", stochastic=3, trained="stochastic", moves="fixed",
+                      solver="euler", shared=True, first_half=True),
+    # VGPO: Flow-GRPO's rollouts, one advantage a trained step from its one-step predictions
+    "vgpo": dict(kind="flow_sde", stochastic="all", trained="all", moves="fixed",
+                 solver="euler", shared=False, advantage="vgpo"),
     "euphonium": dict(kind="flow_sde", stochastic="all", trained="all", moves="fixed",
                       solver="euler", shared=False, reward_guidance="toy_proxy"),
     "default": dict(kind="flow_sde", stochastic=4, trained="stochastic", moves="group",
@@ -79,7 +85,11 @@ IS = {
 # sample trained at `levels` noise levels per iteration.
 SAMPLE_IS = {"nft": dict(levels=2, kl_beta=1e-4), "awm": dict(levels=2, kl_beta=1e-4),
              "dgpo": dict(levels=2, kl_beta=1e-3), "dpo": dict(levels=2, kl_beta=0.0),
-             "gdro": dict(levels=2, kl_beta=0.0)}
+             "gdro": dict(levels=2, kl_beta=0.0),
+             # DGPO with the default's guard: the anchor below its training levels
+             "dgpo_guarded": dict(levels=2, kl_beta=1e-3, algorithm="dgpo", anchor_beta=5.0),
+             "awm_guarded": dict(levels=2, kl_beta=1e-4, algorithm="awm", anchor_beta=5.0),
+             "nft_guarded": dict(levels=2, kl_beta=1e-4, algorithm="nft", anchor_beta=5.0)}
 
 
 def plans_of(config, iterations, groups=range(8)):
@@ -108,6 +118,7 @@ def test_each_config_is_its_method(bench, name):
                                             spec.get("dt_reweight", False))
     assert t.rectification == spec.get("rectification", False)
     assert t.loss_scale == spec.get("loss_scale", "none")
+    assert t.advantage == spec.get("advantage", "auto")
     assert config.prompts.curriculum.enabled == spec.get("curriculum", False)
     assert s.reward_guidance.reward == spec.get("reward_guidance", "")
     iterations = range(0, config.run.max_iterations, max(config.run.max_iterations // 40, 1))
@@ -152,12 +163,32 @@ def test_each_config_is_its_method(bench, name):
 def test_each_sample_config_is_its_algorithm(bench, name):
     config = method_config(bench, name)
     s, t = config.sampling, config.training
-    assert t.algorithm == name and s.plan.kind == "ode" and s.plan.solver_after == "euler"
+    spec = SAMPLE_IS[name]
+    assert t.algorithm == spec.get("algorithm", name)
+    assert s.plan.kind == "ode" and s.plan.solver_after == "euler"
+    assert t.anchor_beta == spec.get("anchor_beta", 0.0)
     assert s.num_steps == 16 and not s.share_initial_noise
     assert t.timesteps.count == SAMPLE_IS[name]["levels"]
     assert t.kl_beta == SAMPLE_IS[name]["kl_beta"]
     plan = plans_of(config, [0])[(0, 0)]
     assert plan.stochastic == () and plan.trained == ()
+
+
+# The guard's overrides that benchmarks/README.md ("With the image guard") measured on each
+# unguarded config (COMMANDS.md): a guarded config is exactly that, its name aside.
+GUARD_OVERRIDES = {"dgpo": ("training.anchor_beta=5.0", "training.anchor_sigma_max=0.45"),
+                   "awm": ("training.anchor_beta=5.0", "training.anchor_sigma_max=0.45",
+                           "training.timesteps.fraction=0.6"),
+                   "nft": ("training.anchor_beta=5.0", "training.anchor_sigma_max=0.45",
+                           "training.timesteps.fraction=0.6")}
+
+
+@pytest.mark.parametrize("name", sorted(GUARD_OVERRIDES))
+def test_guarded_configs_are_the_measured_runs(bench, name):
+    measured = to_dict(method_config(bench, name, *GUARD_OVERRIDES[name]))
+    shipped = to_dict(method_config(bench, f"{name}_guarded"))
+    assert {k: v for k, v in shipped.items() if k != "name"} == \
+        {k: v for k, v in measured.items() if k != "name"}
 
 
 @pytest.mark.parametrize("name", sorted(IS) + sorted(SAMPLE_IS))
@@ -642,7 +673,8 @@ def test_rerun_trains_only_unfinished_runs(bench, tmp_path, monkeypatch):
         bench.write_json(out / "runs" / f"{spec.key}.json",
                          {"finished": True, "signature": spec.signature()})
 
-    monkeypatch.setattr(bench, "train_run", fake_train)
+    # run_specs trains through the module it lives in (benchmarks/methods_runs.py)
+    monkeypatch.setattr(sys.modules[bench.run_specs.__module__], "train_run", fake_train)
     specs = [bench.RunSpec(name, 0, f"{name}_s0", 60.0, 20.0, 0)
              for name in ("flow_grpo", "flash_grpo", "mix_grpo", "dance_grpo")]
     runs = tmp_path / "runs"
