@@ -3,10 +3,11 @@ own threads, iterations and evaluation), once per training seed, each run's held
 as a small JSON record, and the README's figures (median and range over the seeds) computed from
 those records.
 
-    python benchmarks/default_runs.py run --seeds 0,1,2      # about 15 minutes a seed on 2 cores
+    python benchmarks/default_runs.py run --seeds 0,1,2      # the embedded default, each seed
     python benchmarks/default_runs.py report                 # the table, from the records
+    python benchmarks/default_runs.py run --config configs/toy_geneval.yaml   # another config
 
-A record (benchmarks/results/default_runs/s<seed>.json) holds the command, the date, the CPU
+A record (benchmarks/results/default_runs/<config name>/s<seed>.json) holds the command, the date, the CPU
 and wall seconds, the machine's load before and after (a run that shared the machine is slower,
 not different: the result depends on the iterations, not the time), and the held-out accuracy
 (GenEval's family mean) and artifact metric at the start and at the end, unrounded.
@@ -30,26 +31,35 @@ ACCURACY = "eval/geneval_toy"                       # the family mean
 ARTIFACTS = "eval/toy_artifacts/family_mean"
 
 
-def command(seed: int, output_dir: Path) -> list[str]:
-    """The README's command (`scripts/quickstart.sh` runs it), with the seed, a run name per
-    seed and an output folder outside the checkout's runs/."""
-    return [sys.executable, "-m", "flowgrpo", "train", CONFIG, "--overwrite",
-            f"run.seed={seed}", f"name=toy_geneval_s{seed}", f"run.output_dir={output_dir}",
+def command(seed: int, output_dir: Path, config: str = CONFIG) -> list[str]:
+    """The README's command (`scripts/quickstart.sh` runs it, for the embedded default), with the
+    seed, a run name per seed and an output folder outside the checkout's runs/."""
+    return [sys.executable, "-m", "flowgrpo", "train", config, "--overwrite",
+            f"run.seed={seed}", f"name={run_name(config, seed)}", f"run.output_dir={output_dir}",
             "run.progress=false"]
+
+
+def run_name(config: str, seed: int) -> str:
+    return f"{Path(config).stem}_s{seed}"
+
+
+def records_dir(config: str) -> Path:
+    """Where a config's run records are kept: one folder per config name."""
+    return RESULTS / Path(config).stem
 
 
 def eval_records(metrics: Path) -> list[dict]:
     return [r for r in map(json.loads, metrics.read_text().splitlines()) if r["phase"] == "eval"]
 
 
-def run_seed(seed: int, output_dir: Path) -> dict:
-    cmd = command(seed, output_dir)
+def run_seed(seed: int, output_dir: Path, config: str = CONFIG) -> dict:
+    cmd = command(seed, output_dir, config)
     load_before = os.getloadavg()
     began = time.time()
     cpu_before = resource.getrusage(resource.RUSAGE_CHILDREN)
     subprocess.run(cmd, cwd=ROOT, check=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
     cpu_after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    evals = eval_records(output_dir / f"toy_geneval_s{seed}" / "metrics.jsonl")
+    evals = eval_records(output_dir / run_name(config, seed) / "metrics.jsonl")
     first, last = evals[0], evals[-1]
     return {
         "seed": seed, "command": " ".join(["python", *cmd[1:]]),
@@ -102,8 +112,8 @@ def report(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def load_records() -> list[dict]:
-    return [json.loads(p.read_text()) for p in sorted(RESULTS.glob("s*.json"))]
+def load_records(config: str = CONFIG) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(records_dir(config).glob("s*.json"))]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,16 +122,19 @@ def main(argv: list[str] | None = None) -> int:
     run = sub.add_parser("run", help="train the shipped config once per seed, keep the records")
     run.add_argument("--seeds", default="0,1,2")
     run.add_argument("--output-dir", default=str(ROOT / "runs" / "default_runs"))
-    sub.add_parser("report", help="the table and the README's figures, from the records")
+    report_job = sub.add_parser("report", help="the table and the README's figures, from the records")
+    for job in (run, report_job):
+        job.add_argument("--config", default=CONFIG, help=f"the config (default {CONFIG})")
     args = parser.parse_args(argv)
     if args.job == "run":
-        RESULTS.mkdir(parents=True, exist_ok=True)
+        folder = records_dir(args.config)
+        folder.mkdir(parents=True, exist_ok=True)
         for seed in (int(s) for s in args.seeds.split(",")):
-            record = run_seed(seed, Path(args.output_dir))
-            (RESULTS / f"s{seed}.json").write_text(json.dumps(record, indent=1) + "\n")
+            record = run_seed(seed, Path(args.output_dir), args.config)
+            (folder / f"s{seed}.json").write_text(json.dumps(record, indent=1) + "\n")
             print(f"seed {seed}: {record['base']['accuracy']:.3f} -> "
                   f"{record['final']['accuracy']:.3f}", flush=True)
-    records = load_records()
+    records = load_records(args.config)
     if records:
         print(report(records))
     return 0

@@ -32,8 +32,14 @@ def test_summary_is_the_median_and_range_of_unrounded_values(bench):
 
 def test_the_recorded_command_is_the_shipped_config_with_a_seed(bench, tmp_path):
     cmd = bench.command(3, tmp_path)
-    assert cmd[1:5] == ["-m", "flowgrpo", "train", "configs/toy_geneval.yaml"]
+    assert cmd[1:5] == ["-m", "flowgrpo", "train", bench.CONFIG]
+    # the embedded default is what the quickstart trains
+    quickstart = (bench.ROOT / "scripts" / "quickstart.sh").read_text()
+    assert bench.CONFIG in quickstart
     assert "run.seed=3" in cmd and f"run.output_dir={tmp_path}" in cmd
+    assert f"name={bench.Path(bench.CONFIG).stem}_s3" in cmd
+    # each config's records in their own folder
+    assert bench.records_dir("configs/toy_geneval.yaml") == bench.RESULTS / "toy_geneval"
     # nothing else of the config changes: threads, iterations and evaluation stay as shipped
     assert not [a for a in cmd if a.startswith(("run.num_threads", "run.max_iterations",
                                                  "training.", "sampling.", "prompts."))]
