@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import math
 import os
 import signal
 import socket
@@ -223,6 +224,20 @@ def family_config(family: str, path: str, tmp_path: Path, options: dict, *overri
         "run": {"output_dir": str(tmp_path / "runs"), "max_iterations": iterations,
                 "tracker": "none", "progress": False, "checkpoint_every": 0, "eval_every": 0},
     }, overrides=list(overrides))
+
+
+def assert_on_policy_training(config: TrainConfig, transitions: int, iterations: int = 1) -> None:
+    """Train ``config`` for its iterations: each is exactly on-policy on its first pass (ratio 1),
+    trains ``transitions`` transitions, takes an optimiser step and has a finite policy loss."""
+    from flowgrpo.trainer import Trainer
+
+    train = [h for h in Trainer(config).train() if h["phase"] == "train"]
+    assert len(train) == iterations
+    for record in train:
+        assert record["train/first_pass_ratio_max_dev"] == 0.0
+        assert record["trained_transitions"] == transitions
+        assert record["train/optimizer_steps"] >= 1
+        assert math.isfinite(record["train/policy_loss"])
 
 
 def tiny_config(path: str, tmp_path: Path, *overrides: str) -> TrainConfig:

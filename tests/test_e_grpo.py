@@ -22,7 +22,7 @@ from flowgrpo.plans import (PlanConfig, make_plan, merge_counts_for_entropy, mer
 from flowgrpo.rollout import RolloutSettings, run_plan
 from flowgrpo.sde import euler_step, score_step, step_entropy, transition
 from flowgrpo.seeding import seeded_generator
-from tests.helpers import tiny_config
+from tests.helpers import assert_on_policy_training, tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TOY = ROOT / "assets" / "toy"
@@ -256,27 +256,14 @@ def test_toy_branches_share_the_prefix_and_advantages_normalise_among_them(tmp_p
 
 @needs_toy
 def test_toy_run_is_on_policy_on_its_first_pass(tmp_path):
-    from flowgrpo.trainer import Trainer
-
-    history = Trainer(toy_config(tmp_path, "run.max_iterations=2")).train()
-    train = [h for h in history if h["phase"] == "train"]
-    assert len(train) == 2
-    for record in train:
-        assert record["train/first_pass_ratio_max_dev"] == 0.0
-        assert record["trained_transitions"] == 16 and record["train/optimizer_steps"] >= 1
-        assert math.isfinite(record["train/policy_loss"])
+    assert_on_policy_training(toy_config(tmp_path, "run.max_iterations=2"), 16, iterations=2)
 
 
 def test_tiny_sd3_iteration_is_on_policy_on_its_first_pass(tiny_sd3_path, tmp_path):
-    from flowgrpo.trainer import Trainer
-
     config = tiny_config(tiny_sd3_path, tmp_path, "sampling.num_steps=5",
                          "sampling.share_initial_noise=true",
                          "sampling.plan={kind: merge, merge_at: [0, 1], merge_counts: [2, 3]}")
-    train = [h for h in Trainer(config).train() if h["phase"] == "train"]
-    assert train[0]["train/first_pass_ratio_max_dev"] == 0.0
-    assert train[0]["trained_transitions"] == 8
-    assert math.isfinite(train[0]["train/policy_loss"])
+    assert_on_policy_training(config, 8)
 
 
 @needs_toy

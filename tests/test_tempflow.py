@@ -24,7 +24,7 @@ from flowgrpo.flow_policy import FlowPolicy
 from flowgrpo.losses import noise_aware_weights
 from flowgrpo.plans import PlanConfig, make_plan
 from flowgrpo.sde import static_shift_sigmas, transition
-from tests.helpers import tiny_config
+from tests.helpers import assert_on_policy_training, tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TOY = ROOT / "assets" / "toy"
@@ -217,25 +217,12 @@ def test_toy_groups_branch_from_a_shared_prefix_with_the_noise_aware_weights(tmp
 
 @needs_toy
 def test_toy_run_is_on_policy_on_its_first_pass(tmp_path):
-    from flowgrpo.trainer import Trainer
-
-    history = Trainer(toy_config(tmp_path, "run.max_iterations=2")).train()
-    train = [h for h in history if h["phase"] == "train"]
-    assert len(train) == 2
-    for record in train:
-        assert record["train/first_pass_ratio_max_dev"] == 0.0
-        assert record["trained_transitions"] == 16 and record["train/optimizer_steps"] >= 1
-        assert math.isfinite(record["train/policy_loss"])
+    assert_on_policy_training(toy_config(tmp_path, "run.max_iterations=2"), 16, iterations=2)
 
 
 def test_tiny_sd3_iteration_is_on_policy_on_its_first_pass(tiny_sd3_path, tmp_path):
-    from flowgrpo.trainer import Trainer
-
     config = tiny_config(tiny_sd3_path, tmp_path, "sampling.num_steps=5",
                          "sampling.share_initial_noise=true", "training.loss_scale=noise_aware",
                          "sampling.plan={kind: one_step, one_step_range: [0, 4], "
                          "one_step_select: cycle}")
-    train = [h for h in Trainer(config).train() if h["phase"] == "train"]
-    assert train[0]["train/first_pass_ratio_max_dev"] == 0.0
-    assert train[0]["trained_transitions"] == 8
-    assert math.isfinite(train[0]["train/policy_loss"])
+    assert_on_policy_training(config, 8)
