@@ -30,9 +30,11 @@ SHIPPED = {
     "qwen_image_ocr": (2, 32),   # Flow-GRPO pickscore_qwenimage: gpu_number 32
     "wan22_video": (2, 8),       # Flow-GRPO general_ocr_wan2_1's per-GPU layout on 8 GPUs
     "flux2_klein_pickscore": (2, 8),   # Flow-Factory grpo/lora/flux2_klein_base: 8 processes
+    "flux2_dev_pickscore": (2, 8),     # Flow-Factory grpo/lora/flux2/t2i: 8 processes
     "qwen_image_edit_plus_pickscore": (2, 8),   # Flow-Factory grpo/lora/qwen_image_edit_plus: 8
     "wan_i2v_pickscore": (2, 8),   # Flow-Factory grpo/lora/wan21/i2v: 8 processes
     "z_image_turbo_pickscore": (2, 8),   # Flow-Factory grpo/lora/z_image_turbo: 8 processes
+    "z_image_pickscore": (2, 8),   # Flow-Factory grpo/lora/z_image: 8 processes
     "hunyuan_video_dance_grpo": (2, 32),   # DanceGRPO finetune_hunyuan_grpo.sh: 4 nodes x 8 GPUs
     "ltx2_pickscore": (2, 8),    # Flow-Factory grpo/lora/ltx2/t2av_pickscore: 8 processes
     "flux_e_grpo": (3, 8),       # E-GRPO train_grpo_merge.sh: 8 GPUs, a step per branch step
@@ -50,12 +52,14 @@ ANCHOR_ACCUMULATION = {"sd3_ocr": 2 * 9, "sd3_pickscore": 2 * 9, "sd3_fast_cps":
                        "kontext_edit": 6 * 5, "qwen_image_ocr": 2 * 2, "wan22_video": 1 * 19,
                        # Flow-Factory: 96 one-sample batches x 1 SDE step, 2 steps an epoch
                        "flux2_klein_pickscore": 48 * 1,
+                       "flux2_dev_pickscore": 48 * 1,   # the same layout (flux2/t2i.yaml)
                        # Flow-Factory qwen_image_edit_plus: the same layout (96 one-sample
                        # batches x 1 SDE step, 2 steps an epoch)
                        "qwen_image_edit_plus_pickscore": 48 * 1,
                        "wan_i2v_pickscore": 48 * 1,   # the same layout (wan21/i2v.yaml)
                        # Flow-Factory: 96 one-sample batches x 1 SDE step, 2 steps an epoch
                        "z_image_turbo_pickscore": 48 * 1,
+                       "z_image_pickscore": 48 * 1,   # the same layout (z_image/default.yaml)
                        # 24 one-video rollouts x 9 trained steps, 2 steps an epoch (DanceGRPO:
                        # its best 4 + worst 4 of the 24 x 9 steps, accumulation 4 -> 4 * 9)
                        "hunyuan_video_dance_grpo": 24 * 9 // 2,
