@@ -113,7 +113,9 @@ PROMPT_SETS: dict[str, PromptSet] = {s.name: s for s in (
     PromptSet(
         name="flow_grpo_counting_edit",
         anchor="Flow-GRPO's FLUX.1 Kontext counting-edit recipe (counting_flux_kontext)",
-        repository=FLOW_GRPO, commit="main",
+        # The commit whose config/grpo.py reads dataset/counting_edit in counting_flux_kontext;
+        # the snapshot this project pins its other sets to predates the editing recipes.
+        repository=FLOW_GRPO, commit="54809b5fcf4d3930d2a17fa553928704bd0b719e",
         terms="MIT (the repository's LICENSE) for the metadata; the image archive's terms are "
               "not stated in the stored copies (check huggingface.co/datasets/jieliu/"
               "counting_edit)",
@@ -125,8 +127,9 @@ PROMPT_SETS: dict[str, PromptSet] = {s.name: s for s in (
         archives=("https://huggingface.co/datasets/jieliu/counting_edit/resolve/main/"
                   "generated_images.zip",),
         examples=("toy:edit_train", "toy:edit_heldout"),
-        notes=("No snapshot holding these files could be checked: they come from the main "
-               "branch, unverified.",)),
+        notes=("Pinned to the commit whose config/grpo.py (counting_flux_kontext) reads "
+               "dataset/counting_edit; no stored copy of the two files themselves could be "
+               "checked, so they carry no content hash.",)),
     PromptSet(
         name="mixgrpo_hpdv2",
         anchor="MixGRPO's FLUX recipes (HPDv2's training and test prompts)",

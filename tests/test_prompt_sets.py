@@ -108,7 +108,10 @@ def test_registry_terms_flag_the_restricted_sets():
     for prompt_set in PROMPT_SETS.values():
         pinned = [f for f in prompt_set.files if f.git_blob is not None]
         assert all(len(f.git_blob) == 40 for f in pinned)
-        assert (len(prompt_set.commit) == 40) == bool(pinned)
+        # every set is fetched from a fixed commit, never a branch (the counting-edit files carry
+        # no content hash: no stored copy of them could be checked)
+        assert len(prompt_set.commit) == 40 and int(prompt_set.commit, 16) >= 0, prompt_set.name
+        assert bool(pinned) == (prompt_set.name != "flow_grpo_counting_edit")
 
 
 def test_a_missing_set_names_its_fetch_command(tmp_path):
