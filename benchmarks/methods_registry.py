@@ -12,6 +12,7 @@ from typing import Any, Callable
 
 from flowgrpo.config_algorithms import (AWMConfig, DGPOConfig, DPOConfig,
                                         GDROConfig, NFTConfig, TimestepsConfig)
+from flowgrpo.embedding_perturbation import EmbeddingPerturbationConfig
 from flowgrpo.guided_sde import RewardGuidanceConfig
 from flowgrpo.step_values import VGPOConfig
 
@@ -57,6 +58,8 @@ FIELDS_ADDED_SINCE_RESULTS: dict[tuple[str, ...], object] = {
     ("sampling", "plan", "tree_window"): None,
     ("sampling", "plan", "tree_trained"): None,
     ("sampling", "plan", "tree_backup"): "mean",
+    # E2PO's embedding-perturbed rollouts (sampling.embedding_perturbation); off at scale 0
+    ("sampling", "embedding_perturbation"): asdict(EmbeddingPerturbationConfig()),
 }
 
 TABLE_EVAL_SEED = 0            # the default config's own evaluation noise (run.seed 0)
@@ -117,6 +120,9 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("tree_grpo", "TreeGRPO / BranchGRPO (tree rollouts)",
            "configs/toy_methods/tree_grpo.yaml", (0.7, 1.0)),
     Method("nft", "DiffusionNFT", "configs/toy_methods/nft.yaml", (0.7,)),
+    # E2PO: nft.yaml with perturbed prompt embeddings in the rollout (uncalibrated, unmeasured)
+    Method("e2po", "E2PO (NFT + embedding-perturbed exploration)",
+           "configs/toy_methods/e2po.yaml", (0.7,)),
     Method("awm", "AWM", "configs/toy_methods/awm.yaml", (0.7,)),
     Method("dgpo", "DGPO", "configs/toy_methods/dgpo.yaml", (0.7,)),
     Method("dgpo_guarded", "DGPO + the image guard", "configs/toy_methods/dgpo_guarded.yaml",

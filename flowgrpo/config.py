@@ -37,6 +37,7 @@ from flowgrpo.errors import ConfigError, InputError
 from flowgrpo.packaged_data import resolve_config_path, with_packaged_paths
 from flowgrpo.plans import PlanConfig
 from flowgrpo.step_values import check_vgpo_config
+from flowgrpo.embedding_perturbation import check_embedding_perturbation_config
 from flowgrpo.tree import check_tree_config
 from flowgrpo.policy_registry import POLICIES, load_policy_class
 from flowgrpo.user_files import folder_blocker, line_and_column, read_text_file
@@ -475,6 +476,7 @@ def _cross_section_rules(config: TrainConfig, num_processes: int) -> None:
     _check_algorithm(config, num_processes)
     check_tree_config(config, num_processes)   # sampling.plan.kind: tree (flowgrpo/tree.py)
     check_vgpo_config(config)
+    check_embedding_perturbation_config(config)   # E2PO (flowgrpo/embedding_perturbation.py)
 
 
 def _check_algorithm(config: TrainConfig, num_processes: int) -> None:

@@ -21,6 +21,7 @@ from flowgrpo.config_algorithms import (ALGORITHM_NAMES, TIMESTEP_SAMPLINGS, AWM
                                         TimestepsConfig)
 from flowgrpo.dtypes import DTYPE_NAMES
 from flowgrpo.edit_regions import REGION_RESIZES
+from flowgrpo.embedding_perturbation import EMBEDDING_SCHEDULES, EmbeddingPerturbationConfig
 from flowgrpo.ema import EMA_WARMUPS
 from flowgrpo.errors import ConfigError
 from flowgrpo.interrupts import STOP_SIGNALS
@@ -63,6 +64,7 @@ FIELD_CHOICES: dict[str, tuple[str, ...]] = {
     "sampling.plan.tree_backup": TREE_BACKUPS,
     "sampling.reward_guidance.form": GUIDANCE_FORMS,
     "sampling.reward_guidance.log_prob_mean": LOG_PROB_MEANS,
+    "sampling.embedding_perturbation.schedule": EMBEDDING_SCHEDULES,
     "training.algorithm": ALGORITHM_NAMES, "training.timesteps.sampling": TIMESTEP_SAMPLINGS,
     "training.awm.weighting": AWM_WEIGHTINGS, "training.dgpo.reference": ("base", "old"),
     "training.gdro.loss": GDRO_LOSSES,
@@ -274,9 +276,15 @@ class SamplingConfig(Section):
         "Euphonium: steer the stochastic steps along a differentiable reward's gradient "
         "(flowgrpo/guided_sde.py); off unless reward is named.",
         default_factory=RewardGuidanceConfig)
+    embedding_perturbation: EmbeddingPerturbationConfig = config_field(
+        "E2PO: roll group members out from structured perturbations of their prompt embedding "
+        "(some members keep the original), the update training on the original "
+        "(flowgrpo/embedding_perturbation.py); off at scale 0.",
+        default_factory=EmbeddingPerturbationConfig)
 
     def validate(self) -> None:
         """The plan is validated where it applies (policy: flow), with ``num_steps``."""
+        self.embedding_perturbation.validate()
         choice(self.kind, SAMPLING_KINDS, "sampling.kind")
         positive(self.num_steps, "sampling.num_steps")
         positive(self.eval_num_steps, "sampling.eval_num_steps")

@@ -22,6 +22,7 @@ from flowgrpo.algorithms import algorithm_class
 from flowgrpo.config import TrainConfig, check_reward_key, reward_output_keys
 from flowgrpo.dtypes import parse_dtype
 from flowgrpo.edit_regions import difference_mask, stack_masks
+from flowgrpo.embedding_perturbation import DEFAULT_TEXT_EMBEDDING_KEYS, EmbeddingPerturbation
 from flowgrpo.errors import ConfigError
 from flowgrpo.flow_batches import accumulation_steps, ema_updates_per_step, rollout_sigmas
 from flowgrpo.flow_evaluation import FlowEvaluation
@@ -347,6 +348,12 @@ class FlowPolicy(FlowEvaluation):
         settings.keep_final_latents = not transitions
         step_values = self.config.training.advantage == "vgpo"
         settings.keep_x0_predictions = step_values
+        perturbation = self.config.sampling.embedding_perturbation
+        if perturbation.enabled:   # E2PO's exploration; the update re-encodes the originals
+            settings.embedding_perturbation = EmbeddingPerturbation(
+                perturbation, getattr(self.model, "text_embedding_keys",
+                                      DEFAULT_TEXT_EMBEDDING_KEYS),
+                self.config.training.group_size, self.config.run.seed, iteration)
         if self.guidance is not None:
             settings.guidance = self.guidance.for_rows(prompts, scored_metadata)
         with torch.no_grad(), self.accelerator.autocast(), \

@@ -204,6 +204,9 @@ class FlowModel(Protocol):
     # Optional: ``max_source_images`` (default 1): how many source images one prompt may give a
     # multi-image editing model; a prompt with several hands it a ``SourceImages`` (below) in
     # place of the one tensor, and ``check_source_images`` refuses more than the family takes.
+    # Optional: ``text_embedding_keys``: the ``Conditioning.positive`` keys that hold prompt
+    # embeddings, which ``sampling.embedding_perturbation`` (E2PO) perturbs (default
+    # ``("prompt_embeds", "pooled_prompt_embeds")``; masks and source images are not among them).
     # Optional: ``region_mask(mask, resize)`` maps an edit-region mask (B, 1, H, W) in [0, 1] in
     # pixels to a tensor broadcastable to the latents (B, ...), for ``training.locality``
     # (``flowgrpo.edit_regions``): the toy model's latents are its pixels; a VAE family

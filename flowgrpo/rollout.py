@@ -18,7 +18,7 @@ seeded with that step's x0 estimate (MixGRPO-Flash), so it is already second ord
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
 import torch
@@ -141,6 +141,10 @@ class RolloutSettings:
     guidance: object | None = None
     # keep each trained step's one-step prediction x - sigma v (ReplayBatch.x0_pred): VGPO
     keep_x0_predictions: bool = False
+    # sampling.embedding_perturbation (E2PO): an ``embedding_perturbation.EmbeddingPerturbation``
+    # that ``rollout`` binds to its rows; each step's transformer call then sees its chunk's
+    # prompt embeddings perturbed at the step's sigma. None = the original embeddings.
+    embedding_perturbation: object | None = None
 
 
 def encode_rows(model: FlowModel, prompts: list[str], images: list[Tensor] | None = None
@@ -246,6 +250,8 @@ def run_plan(model: FlowModel, plan: StepPlan, latents: Tensor, cond: Conditioni
         calls += 1
         if i in anchor_steps:
             anchors.append(AnchorBatch(rows=rows, step=i, latents=x, sigmas=sigma))
+        step_cond = cond if settings.embedding_perturbation is None else \
+            settings.embedding_perturbation.condition(cond, rows, sigma)
         if i in stochastic:
             noise = step_noise(i).to(device)
             parts = _trained_parts(i, b, trained, row_trained)
@@ -253,7 +259,7 @@ def run_plan(model: FlowModel, plan: StepPlan, latents: Tensor, cond: Conditioni
             velocity_all = None if len(parts) == 1 else torch.empty_like(x)
             for index, is_trained in parts:
                 part = (lambda t: t) if index is None else (lambda t, k=index: t[k])
-                part_cond = cond if index is None else cond.select(index)
+                part_cond = step_cond if index is None else step_cond.select(index)
                 with cfg_gradient(settings.cfg_gradient if is_trained else "both"):
                     velocity = model.velocity(part(x).to(model.dtype), part(sigma), part_cond,
                                               settings.guidance_scale).to(torch.float32)
@@ -283,7 +289,7 @@ def run_plan(model: FlowModel, plan: StepPlan, latents: Tensor, cond: Conditioni
                 prev_sigma = sigma
             x = x_next
             continue
-        velocity = model.velocity(x.to(model.dtype), sigma, cond,
+        velocity = model.velocity(x.to(model.dtype), sigma, step_cond,
                                   settings.guidance_scale).to(torch.float32)
         if plan.solver_for(i) == "dpmpp_2m":   # the plan says which solver a non-SDE step uses
             x, x0 = dpmpp_2m_step(x, velocity, sigma, sigma_next, prev_x0=prev_x0,
@@ -342,6 +348,9 @@ def rollout(model: FlowModel, prompts: list[str], metadata: list[dict], group_id
     """
     batch = len(prompts)
     cond_unique, prompt_index = encode_rows(model, prompts, images)
+    if settings.embedding_perturbation is not None:   # E2PO: bound to these rows' groups
+        settings = replace(settings, embedding_perturbation=settings.embedding_perturbation.bind(
+            cond_unique, group_ids, sample_ids))
     noise = initial_noise(model, group_ids, sample_ids, settings)
 
     buckets: dict[tuple, list[int]] = {}

@@ -156,6 +156,9 @@ class LTX2Model(DiffusersFlowModel):
     # them, so they are offloaded and freed with Gemma.
     text_encoder_names = ("text_encoder", "connectors")
     has_real_cfg = True
+    # The prompt embeddings (sampling.embedding_perturbation): the connectors' text tokens of
+    # the video and the audio stream (text_mask is a mask)
+    text_embedding_keys = ("video_text", "audio_text")
 
     def __init__(self, transformer: torch.nn.Module, components: dict, options: LTX2Options,
                  device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> None:

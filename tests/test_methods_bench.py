@@ -89,7 +89,9 @@ SAMPLE_IS = {"nft": dict(levels=2, kl_beta=1e-4), "awm": dict(levels=2, kl_beta=
              # DGPO with the default's guard: the anchor below its training levels
              "dgpo_guarded": dict(levels=2, kl_beta=1e-3, algorithm="dgpo", anchor_beta=5.0),
              "awm_guarded": dict(levels=2, kl_beta=1e-4, algorithm="awm", anchor_beta=5.0),
-             "nft_guarded": dict(levels=2, kl_beta=1e-4, algorithm="nft", anchor_beta=5.0)}
+             "nft_guarded": dict(levels=2, kl_beta=1e-4, algorithm="nft", anchor_beta=5.0),
+             # E2PO: nft with perturbed prompt embeddings in the rollout
+             "e2po": dict(levels=2, kl_beta=1e-4, algorithm="nft")}
 
 
 def plans_of(config, iterations, groups=range(8)):
