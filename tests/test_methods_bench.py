@@ -90,6 +90,7 @@ SAMPLE_IS = {"nft": dict(levels=2, kl_beta=1e-4), "awm": dict(levels=2, kl_beta=
              "dgpo_guarded": dict(levels=2, kl_beta=1e-3, algorithm="dgpo", anchor_beta=5.0),
              "awm_guarded": dict(levels=2, kl_beta=1e-4, algorithm="awm", anchor_beta=5.0),
              "nft_guarded": dict(levels=2, kl_beta=1e-4, algorithm="nft", anchor_beta=5.0),
+             "nft_clean": dict(levels=2, kl_beta=1e-4, algorithm="nft", anchor_beta=10.0),
              # E2PO: nft with perturbed prompt embeddings in the rollout
              "e2po": dict(levels=2, kl_beta=1e-4, algorithm="nft")}
 
@@ -183,6 +184,19 @@ GUARD_OVERRIDES = {"dgpo": ("training.anchor_beta=5.0", "training.anchor_sigma_m
                            "training.timesteps.fraction=0.6"),
                    "nft": ("training.anchor_beta=5.0", "training.anchor_sigma_max=0.45",
                            "training.timesteps.fraction=0.6")}
+
+
+def test_the_clean_nft_config_is_the_measured_run(bench):
+    # benchmarks/README.md: nft_guarded with --set training.anchor_beta=10
+    # --set run.max_iterations=170 (every other field, evaluation cadence aside, the same)
+    measured = to_dict(method_config(bench, "nft_guarded", "training.anchor_beta=10",
+                                     "run.max_iterations=170"))
+    shipped = to_dict(method_config(bench, "nft_clean"))
+    for config in (measured, shipped):
+        config.pop("name")
+        for key in ("eval_every", "checkpoint_every"):
+            config["run"].pop(key)
+    assert shipped == measured
 
 
 @pytest.mark.parametrize("name", sorted(GUARD_OVERRIDES))
