@@ -135,6 +135,8 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("nft_clean", "DiffusionNFT + the image guard, full schedule",
            "configs/toy_methods/nft_clean.yaml", (0.7,), calibrated=False),
     Method("dpo", "Diffusion-DPO (online)", "configs/toy_methods/dpo.yaml", (0.7,)),
+    Method("dpo_guarded", "Diffusion-DPO + the image guard",
+           "configs/toy_methods/dpo_guarded.yaml", (0.7,)),
     Method("euphonium", "Euphonium (reward-guided rollouts)", "configs/toy_methods/euphonium.yaml",
            (0.7, 0.4)),
     Method("gdro", "GDRO", "configs/toy_methods/gdro.yaml", (0.7,)),

@@ -91,6 +91,7 @@ SAMPLE_IS = {"nft": dict(levels=2, kl_beta=1e-4), "awm": dict(levels=2, kl_beta=
              "awm_guarded": dict(levels=2, kl_beta=1e-4, algorithm="awm", anchor_beta=5.0),
              "nft_guarded": dict(levels=2, kl_beta=1e-4, algorithm="nft", anchor_beta=5.0),
              "nft_clean": dict(levels=2, kl_beta=1e-4, algorithm="nft", anchor_beta=10.0),
+             "dpo_guarded": dict(levels=2, kl_beta=0.0, algorithm="dpo", anchor_beta=5.0),
              # E2PO: nft with perturbed prompt embeddings in the rollout
              "e2po": dict(levels=2, kl_beta=1e-4, algorithm="nft")}
 
@@ -183,7 +184,9 @@ GUARD_OVERRIDES = {"dgpo": ("training.anchor_beta=5.0", "training.anchor_sigma_m
                    "awm": ("training.anchor_beta=5.0", "training.anchor_sigma_max=0.45",
                            "training.timesteps.fraction=0.6"),
                    "nft": ("training.anchor_beta=5.0", "training.anchor_sigma_max=0.45",
-                           "training.timesteps.fraction=0.6")}
+                           "training.timesteps.fraction=0.6"),
+                   "dpo": ("training.anchor_beta=5.0", "training.anchor_sigma_max=0.45",
+                           "training.timesteps.fraction=0.6", "run.max_iterations=285")}
 
 
 def test_the_clean_nft_config_is_the_measured_run(bench):
