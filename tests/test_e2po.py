@@ -243,6 +243,8 @@ def test_toy_config_is_nft_plus_the_perturbation():
     perturbation = e2po["sampling"].pop("embedding_perturbation")
     assert perturbation["scale"] > 0 and perturbation["anchors"] >= 1
     nft["sampling"].pop("embedding_perturbation")
+    # run.max_iterations: each config's own calibrated cap (E2PO's iterations are cheaper)
+    assert e2po["run"].pop("max_iterations") == 165 and nft["run"].pop("max_iterations") == 150
     assert {k: v for k, v in e2po.items() if k != "name"} == \
         {k: v for k, v in nft.items() if k != "name"}
     assert e2po["name"] == "toy_e2po"
