@@ -129,6 +129,49 @@ def test_a_rows_perturbation_does_not_depend_on_which_rows_a_process_holds():
             cond, torch.zeros(8, dtype=torch.long), torch.arange(8))
 
 
+class _RecordingModel:
+    """A linear velocity that records the conditioning of every call (rows, sigma, prompt_embeds)."""
+
+    device, dtype = torch.device("cpu"), torch.float32
+
+    def __init__(self):
+        self.calls = []
+
+    def velocity(self, x, sigma, cond, guidance_scale):
+        self.calls.append((sigma.clone(), cond.positive["prompt_embeds"].clone()))
+        return -x
+
+
+def test_every_step_of_a_plan_sees_the_perturbed_prompt_both_sde_and_ode():
+    """run_plan on a plan with SDE steps (one_step: one SDE step, ODE before and after): each
+    transformer call, stochastic or not, gets the bound perturbation's conditioning at that
+    call's sigma, and an anchor row the original."""
+    from flowgrpo.plans import PlanConfig, make_plan
+    from flowgrpo.rollout import RolloutSettings, run_plan
+
+    config = EmbeddingPerturbationConfig(scale=0.3, anchors=1, schedule="sigma")
+    cond = _conditioning(4, torch.Generator().manual_seed(5))
+    bound = EmbeddingPerturbation(config, ("prompt_embeds",), 4, 0, 1).bind(
+        cond, torch.zeros(4, dtype=torch.long), torch.arange(4))
+    sigmas = torch.linspace(1, 0, 7)
+    plan = make_plan(PlanConfig(kind="one_step", one_step_range=(1, 3)), sigmas, 0, 0, 0)
+    assert plan.stochastic and len(plan.stochastic) < 6
+    settings = RolloutSettings(kind="flow_sde", noise_level=0.7, guidance_scale=1.0,
+                               batch_size=4, share_initial_noise=False, seed=0, iteration=1,
+                               embedding_perturbation=bound)
+    model = _RecordingModel()
+    rows = torch.arange(4)
+    run_plan(model, plan, torch.randn(4, 3, 2, 2, generator=torch.Generator().manual_seed(6)),
+             cond, rows, rows, settings)
+    assert len(model.calls) == 6
+    for sigma, seen in model.calls:
+        expected = bound.condition(cond, rows, sigma).positive["prompt_embeds"]
+        assert torch.equal(seen, expected)
+        assert torch.equal(seen[0], cond.positive["prompt_embeds"][0])
+        if float(sigma[0]) > 0:
+            assert not torch.equal(seen[1], cond.positive["prompt_embeds"][1])
+
+
 # ------------------------------------------------------------------ config
 
 
