@@ -60,7 +60,7 @@ from benchmarks.methods_registry import (DEFAULT_OUT, FIELDS_ADDED_SINCE_RESULTS
                                          METHODS, QUICK_BUDGET, QUICK_INTERVAL,
                                          QUICK_OVERRIDES, ROOT, TABLE_EVAL_SEED, TUNE_EVAL_SEED,
                                          TUNE_SEED, Method, parse_list, parse_methods)
-from benchmarks.methods_report import (CLAIMS, MIN_GAIN_FOR_RATIO,  # noqa: E402,F401
+from benchmarks.methods_report import (CLAIMS, MIN_GAIN_FOR_RATIO, capped_early,  # noqa: E402,F401
                                        TABLE_HEADER, TARGET_DELTA, Claim, claim_row,
                                        finished_records, fmt, format_claims,
                                        format_equal_iterations, format_paced_budget,
@@ -75,8 +75,8 @@ from benchmarks.methods_signal import group_signal, signal_probe  # noqa: E402,F
 from benchmarks.methods_stats import (artifact_value, gains_at_iteration,  # noqa: E402,F401
                                       mean_of, median_seconds, seconds_to_target, t_interval,
                                       value_at_iteration)
-from benchmarks.methods_tuning import (TuneSettings, choose, parse_noise,  # noqa: E402,F401
-                                       tune_report, tune_specs)
+from benchmarks.methods_tuning import (TuneSettings, choose,  # noqa: E402,F401
+                                       extend_downward, parse_noise, tune_report, tune_specs)
 
 
 # ----------------------------------------------------------------------------- main
@@ -122,8 +122,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="with --calibrate: write run.max_iterations (and MixGRPO's "
                              "shift_interval) into configs/toy_methods/; with --tune: write the "
                              "chosen lr and noise level")
-    parser.add_argument("--tune-budget", type=float, default=200.0,
-                        help="training CPU seconds per tuning point (default 200)")
+    parser.add_argument("--tune-budget", type=float, default=None,
+                        help="training CPU seconds per tuning point (default: --budget, the "
+                             "table's; a shorter tuning chose lrs whose damage showed later)")
     parser.add_argument("--tune-lrs", default="1e-4,2e-4,4e-4", help="lrs to try")
     parser.add_argument("--tune-noise", action="append", default=[], metavar="METHOD=V1,V2",
                         help="noise levels to try for METHOD (default: the anchor's value and "
@@ -170,11 +171,11 @@ def main(argv: list[str] | None = None) -> dict | None:
         evaluations = len(milestones(budget, interval))
         cost = data["evaluation"]["cpu_seconds"]
         hours = len(methods) * len(seeds) * (budget + evaluations * cost) / 3600
-        tuning = len(methods) * 6 * (args.tune_budget + cost) / 3600
+        tuning = len(methods) * 6 * ((args.tune_budget or budget) + cost) / 3600
         print(f"the table ({len(methods)} methods x {len(seeds)} seeds, {budget:g} s, "
               f"{evaluations} evaluations a run): about {hours:.1f} CPU hours of training and "
               f"evaluation, model loading not included; tuning adds {tuning:.1f} (6 points a "
-              f"method at --tune-budget {args.tune_budget:g})")
+              f"method at --tune-budget {args.tune_budget or budget:g})")
         if args.write_configs:
             for method in methods:
                 if method.calibrated and method.editable:
@@ -185,14 +186,21 @@ def main(argv: list[str] | None = None) -> dict | None:
     if args.tune:
         settings = TuneSettings(
             lrs=parse_list(args.tune_lrs, float, "--tune-lrs"), noise=parse_noise(args.tune_noise),
-            budget=QUICK_BUDGET if args.quick else args.tune_budget, seed=args.tune_seed,
+            budget=QUICK_BUDGET if args.quick else (args.tune_budget or budget), seed=args.tune_seed,
             eval_seed=args.tune_eval_seed,
             eval_per_family=2 if args.quick else args.tune_eval_per_family,
             schedule=args.tune_schedule, table_budget=budget, tie_tolerance=args.tie_tolerance)
         tune_out = out / "tuning"
-        specs = tune_specs(methods, settings, tune_out, extra)
-        run_specs(specs, tune_out)
-        data = tune_report(tune_out, methods, settings, specs)
+        while True:     # the same grid for every method, extended downward where its edge wins
+            specs = tune_specs(methods, settings, tune_out, extra)
+            run_specs(specs, tune_out)
+            data = tune_report(tune_out, methods, settings, specs)
+            added = extend_downward(data["chosen"], settings)
+            if not added:
+                break
+            for name, lr in added.items():
+                print(f"{name}: its lowest lr won; extending its grid down to {lr:.1e}")
+                settings.extended.setdefault(name, []).append(lr)
         if args.write_configs:
             for name, point in data["chosen"].items():
                 method = METHODS[name]

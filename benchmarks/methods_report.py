@@ -530,6 +530,12 @@ def report(out: Path, command: str = "", log: Callable[[str], None] = print,
                                          {**at, "pace_from": shown[at["pace_from"]]})
     if unfinished:
         table += f"\n\nNot finished (not in the table): {', '.join(unfinished)}"
+    capped = capped_early(records)
+    if capped:
+        table += ("\n\nStopped by their iteration cap before the CPU budget (their CPU-second "
+                  "columns compare iterations, not CPU time; rerun with a higher "
+                  "`run.max_iterations`, e.g. `--calibrate --write-configs`): "
+                  + ", ".join(f"{key} ({cpu:.0f} s)" for key, cpu in capped))
     by_name = {s["method"]: s for s in summaries}
     claims = [claim_row(c, by_name, by_method) for c in CLAIMS]
     table += ("\n\nThe papers' speed claims, as ratios against their baselines, measured here "
@@ -546,6 +552,14 @@ def report(out: Path, command: str = "", log: Callable[[str], None] = print,
     plot = plot_curves(summaries, out / "accuracy_vs_cpu_seconds.png")
     log(f"\n{table}\n\nwrote {out / 'table.md'}, {out / 'methods.json'}, {plot}")
     return data
+
+
+def capped_early(records: list[dict]) -> list[tuple[str, float]]:
+    """The runs that ended at their config's ``run.max_iterations`` before the CPU budget, with
+    the CPU seconds they trained: the runs a fair table must not rank by CPU time."""
+    return [(r["key"], r["evals"][-1]["cpu_seconds"]) for r in records
+            if r.get("stopped_by") == "max_iterations"
+            and r["evals"][-1]["cpu_seconds"] < r["signature"]["budget"]]
 
 
 def _eval_samples(record: dict) -> str:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -24,6 +24,14 @@ class TuneSettings:
     schedule: str = "scaled"        # scaled: max_iterations x budget / table budget; config: as is
     table_budget: float = 600.0
     tie_tolerance: float = 0.0
+    # lrs added below the grid for one method, because its lowest lr won (``extend_downward``)
+    extended: dict[str, list[float]] = field(default_factory=dict)
+    max_extensions: int = 3
+
+    def lrs_for(self, method: str) -> list[float]:
+        """Every method's grid is ``lrs``; a method whose lowest lr won also gets the lrs
+        extended below it, so no method is compared at the edge of its grid."""
+        return sorted(set(self.lrs) | set(self.extended.get(method, ())))
 
 
 def tune_specs(methods: list[Method], settings: TuneSettings, out: Path,
@@ -34,11 +42,12 @@ def tune_specs(methods: list[Method], settings: TuneSettings, out: Path,
     tuning budget."""
     specs = []
     for method in methods:
-        for lr in settings.lrs:
+        for lr in settings.lrs_for(method.name):
             for noise in settings.noise.get(method.name, method.noise_levels):
                 overrides = (f"training.lr={lr!r}", f"sampling.noise_level={noise!r}",
                              f"prompts.eval_per_family={settings.eval_per_family}", *extra)
-                spec = RunSpec(method.name, settings.seed, f"{method.name}_lr{lr:.0e}_n{noise:g}",
+                lr_tag = f"{lr:.0e}" if float(f"{lr:.0e}") == lr else f"{lr:.1e}"   # 2.5e-05
+                spec = RunSpec(method.name, settings.seed, f"{method.name}_lr{lr_tag}_n{noise:g}",
                                settings.budget, settings.budget, settings.eval_seed, overrides)
                 if settings.schedule == "scaled":
                     total = spec.load(out).run.max_iterations
@@ -57,6 +66,20 @@ def choose(points: list[dict], tolerance: float = 0.0) -> dict:
     best = max(p["accuracy"] for p in points)
     tied = [p for p in points if p["accuracy"] >= best - tolerance - 1e-12]
     return min(tied, key=lambda p: (p["lr"], p["noise_rank"]))
+
+
+def extend_downward(chosen: dict[str, dict], settings: TuneSettings) -> dict[str, float]:
+    """The fair grid's rule: a method whose chosen lr is the lowest it was tried at gets the
+    next lower point, half of it (the grid's own spacing when it is powers of two), up to
+    ``max_extensions`` extensions a method. Returns {method: lr to add}; empty when every
+    method's choice is inside its grid, which is when the tuning is done."""
+    added = {}
+    for name, point in chosen.items():
+        lrs = settings.lrs_for(name)
+        extensions = len(settings.extended.get(name, ()))
+        if point["lr"] <= lrs[0] * (1 + 1e-9) and extensions < settings.max_extensions:
+            added[name] = lrs[0] / 2
+    return added
 
 
 def tune_report(out: Path, methods: list[Method], settings: TuneSettings, specs: list[RunSpec],
@@ -89,7 +112,12 @@ def tune_report(out: Path, methods: list[Method], settings: TuneSettings, specs:
              f"point (one thread), training seed {settings.seed}, evaluation noise seed "
              f"{settings.eval_seed} ({settings.eval_per_family * 6} held-out samples), schedule "
              f"{settings.schedule}; chosen = best accuracy, ties (within "
-             f"{settings.tie_tolerance:g}) to the lower lr, then the anchor's noise level.", "",
+             f"{settings.tie_tolerance:g}) to the lower lr, then the anchor's noise level. "
+             f"Grid: lr {', '.join(f'{lr:.0e}' for lr in sorted(settings.lrs))} for every "
+             f"method, halved below its lowest point while that point wins"
+             + "".join(f"; {name}: +{', '.join(f'{lr:.1e}' for lr in sorted(lrs))}"
+                       for name, lrs in sorted(settings.extended.items()))
+             + ".", "",
              "| method | lr | noise | accuracy (se) | gain | iterations | chosen |",
              "|---|---:|---:|---:|---:|---:|:---:|"]
     for method in methods:

@@ -455,6 +455,22 @@ def _record(method, seed, accuracies, seconds_per_it=10.0, budget=300.0, interva
             "max_iterations": 30, "stopped_by": stopped_by, "cpu_seconds": 303.0}
 
 
+def test_runs_stopped_by_their_cap_before_the_budget_are_named(bench, tmp_path):
+    at_budget = _record("fast", 0, [0.36, 0.42, 0.45])
+    capped = _record("slow", 0, [0.36, 0.42], stopped_by="max_iterations")   # 203 of 300 s
+    capped_late = _record("late", 0, [0.36, 0.42, 0.45], budget=303.0 - 1e-6,
+                          stopped_by="max_iterations")     # its cap fell on the budget: fair
+    assert bench.capped_early([at_budget, capped, capped_late]) == [("slow_s0", 203.0)]
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    for record in (at_budget, capped):
+        (runs / f"{record['key']}.json").write_text(json.dumps(record))
+    bench.report(tmp_path, log=lambda _: None)
+    table = (tmp_path / "table.md").read_text()
+    assert "Stopped by their iteration cap before the CPU budget" in table
+    assert "slow_s0 (203 s)" in table and "fast_s0 (" not in table
+
+
 def test_summary_of_synthetic_runs(bench):
     records = [_record("fast", 0, [0.36, 0.42, 0.45]), _record("fast", 1, [0.38, 0.41, 0.43]),
                _record("fast", 2, [0.31, 0.33, 0.37])]
@@ -659,6 +675,33 @@ def test_tuning_choice_breaks_ties_toward_the_lower_lr(bench):
     assert bench.choose(points, tolerance=0.05) == points[3]
 
 
+def test_the_tuning_grid_is_every_methods_and_extends_down_where_its_edge_wins(bench, tmp_path):
+    settings = bench.TuneSettings(lrs=[4e-4, 1e-4, 2e-4], noise={}, budget=200.0,
+                                  max_extensions=2)
+    chosen = {"flow_grpo": {"lr": 1e-4}, "mix_grpo": {"lr": 2e-4}, "dance_grpo": {"lr": 4e-4}}
+    # only the method whose choice is the grid's lowest point is extended, by half
+    assert bench.extend_downward(chosen, settings) == {"flow_grpo": 5e-5}
+    settings.extended["flow_grpo"] = [5e-5]
+    assert settings.lrs_for("flow_grpo") == [5e-5, 1e-4, 2e-4, 4e-4]
+    assert settings.lrs_for("mix_grpo") == [1e-4, 2e-4, 4e-4]
+    # a choice inside the extended grid ends it; the edge again extends it once more, then stops
+    assert bench.extend_downward({"flow_grpo": {"lr": 1e-4}}, settings) == {}
+    assert bench.extend_downward({"flow_grpo": {"lr": 5e-5}}, settings) == {"flow_grpo": 2.5e-5}
+    settings.extended["flow_grpo"].append(2.5e-5)
+    assert bench.extend_downward({"flow_grpo": {"lr": 2.5e-5}}, settings) == {}
+    # the specs follow each method's own grid: every lr x noise level of its grid, nothing else
+    specs = bench.tune_specs([bench.METHODS["flow_grpo"], bench.METHODS["mix_grpo"]],
+                             settings, tmp_path)
+    flow_lrs = {float(o.split("=")[1]) for s in specs if s.method == "flow_grpo"
+                for o in s.overrides if o.startswith("training.lr=")}
+    mix_lrs = {float(o.split("=")[1]) for s in specs if s.method == "mix_grpo"
+               for o in s.overrides if o.startswith("training.lr=")}
+    assert flow_lrs == {2.5e-5, 5e-5, 1e-4, 2e-4, 4e-4} and mix_lrs == {1e-4, 2e-4, 4e-4}
+    levels = len(bench.METHODS["flow_grpo"].noise_levels)
+    assert sum(s.method == "flow_grpo" for s in specs) == 5 * levels
+    assert len({s.key for s in specs}) == len(specs)        # 2.5e-5 is not filed as 2e-05
+
+
 # ----------------------------------------------------------------------------- resume
 
 
@@ -745,8 +788,9 @@ def test_calibration_and_tuning_values_are_written_into_a_config(bench, tmp_path
                    "sampling.noise_level": bench.yaml_number(1.1)})
     bench.write_config_values(method, values)
     config = load_config(copy, [f"model.path={TOY}"])
+    # the cap is 1.25x the fit, rounded up (175), so the table's runs end at the CPU budget
     assert (config.run.max_iterations, config.run.eval_every, config.run.checkpoint_every) == \
-        (140, 35, 35)
+        (175, 43, 43)
     assert config.sampling.plan.shift_interval == 20
     assert (config.training.lr, config.sampling.noise_level) == (1.5e-4, 1.1)
     # every other line, comments included, is unchanged
