@@ -38,6 +38,9 @@ SHIPPED = {
     "hunyuan_video_dance_grpo": (2, 32),   # DanceGRPO finetune_hunyuan_grpo.sh: 4 nodes x 8 GPUs
     "ltx2_pickscore": (2, 8),    # Flow-Factory grpo/lora/ltx2/t2av_pickscore: 8 processes
     "flux_e_grpo": (3, 8),       # E-GRPO train_grpo_merge.sh: 8 GPUs, a step per branch step
+    # BranchGRPO finetune_flux_branchgrpo_8gpus.sh: 8 GPUs x 2 trees x 19 trained steps, one a
+    # step (the anchor: a step every 12 of its 436 transitions, 37)
+    "flux_branch_grpo": (38, 8),
     "flux_pref_grpo": (2, 64),   # Pref-GRPO finetune_prefgrpo_flux.sh: 8 nodes x 8 GPUs
 }
 # The sample-based algorithms' recipes: (optimiser steps per epoch, the anchor's process count).
@@ -68,6 +71,9 @@ ANCHOR_ACCUMULATION = {"sd3_ocr": 2 * 9, "sd3_pickscore": 2 * 9, "sd3_fast_cps":
                        # E-GRPO: a step per branch step, each one group of 12 a GPU at that
                        # step (here 3 groups a GPU, one replay batch each, over 3 steps)
                        "flux_e_grpo": 1,
+                       # BranchGRPO: one trained step of one tree a GPU (the anchor: 12
+                       # shuffled one-transition backwards a step)
+                       "flux_branch_grpo": 1,
                        # Pref-GRPO: 4 one-image batches x 14 steps a step; here a GPU's group
                        # makes 24 step batches (its rows training each step), 12 a step
                        "flux_pref_grpo": 24 // 2,
@@ -80,10 +86,19 @@ ANCHOR_ACCUMULATION = {"sd3_ocr": 2 * 9, "sd3_pickscore": 2 * 9, "sd3_fast_cps":
 # JPEG size instead, so that steps are taken.
 OCR_RECIPES = ("sd3_ocr", "qwen_image_ocr", "wan22_video")
 # Tiny runs slower than ~20 s on one thread (the Wan2.2 build trains 19 steps on two experts).
-SLOW_TINY = ("wan22_video", "flux_pref_grpo")   # flux_pref_grpo: 25 SDE steps, 14 trained
+# flux_branch_grpo: 2 trees of 203 transformer calls, 38 optimiser steps (6 min an iteration on a
+# loaded 2-core machine).
+SLOW_TINY = ("wan22_video", "flux_pref_grpo", "flux_branch_grpo")
+# A tree recipe's group is its tree's leaves (16 for BranchGRPO's binary splits at 4 steps), which
+# --tiny's group of 4 is not: its tiny config keeps the group, one tree a rollout call, and 2 trees
+# (so 38 replay batches for its 38 optimiser steps).
+TINY_CONFIG_OVERRIDES = {"flux_branch_grpo": ["training.group_size=16",
+                                              "sampling.rollout_batch_size=16",
+                                              "training.prompts_per_iteration=2"]}
 # Overrides of a recipe's tiny run: flux_e_grpo takes a step per branch step (3) and a tiny run's
 # 2 groups make 2 replay batches, so its tiny run has a group for each branch step.
-TINY_RUN_OVERRIDES = {"flux_e_grpo": ["training.prompts_per_iteration=3"]}
+TINY_RUN_OVERRIDES = {"flux_e_grpo": ["training.prompts_per_iteration=3"],
+                      **TINY_CONFIG_OVERRIDES}
 METHOD_FIELDS = [
     "sampling.num_steps", "sampling.kind", "sampling.noise_level", "sampling.log_prob",
     "sampling.sigma_schedule", "sampling.sigma_shift", "sampling.sigma_schedule_start",
@@ -142,7 +157,8 @@ def test_shipped_recipe_steps_the_optimiser_like_its_anchor(name):
 @pytest.mark.parametrize("name", sorted(SHIPPED) + sorted(SAMPLE_SHIPPED))
 def test_tiny_config_keeps_the_method_settings_and_shrinks_the_rest(name, tiny_recipe_root):
     recipe = load_config(f"configs/{name}.yaml")
-    tiny = load_tiny_config(f"configs/{name}.yaml", root=tiny_recipe_root)
+    tiny = load_tiny_config(f"configs/{name}.yaml", TINY_CONFIG_OVERRIDES.get(name),
+                            root=tiny_recipe_root)
     for dotted in METHOD_FIELDS:
         assert _field(tiny, dotted) == _field(recipe, dotted), dotted
     stand_in = {"remote": TINY_REMOTE_STAND_IN}
@@ -156,7 +172,11 @@ def test_tiny_config_keeps_the_method_settings_and_shrinks_the_rest(name, tiny_r
     assert tiny.model.options["height"] == tiny.model.options["width"] == 32
     assert (tiny_recipe_root / tiny_build_name(recipe.model.family, recipe.model.path)
             / "model_index.json").is_file()
-    assert tiny.training.prompts_per_iteration * tiny.training.group_size == 8
+    if name in TINY_CONFIG_OVERRIDES:   # a tree: the recipe's group, 2 trees
+        assert tiny.training.group_size == recipe.training.group_size
+        assert tiny.training.prompts_per_iteration == 2
+    else:
+        assert tiny.training.prompts_per_iteration * tiny.training.group_size == 8
     for component in [*tiny.rewards.components, *tiny.eval.rewards]:
         for key in ("model", "processor", "head"):
             if key in component.options:
@@ -351,6 +371,52 @@ def test_e_grpo_recipe_merges_by_the_entropy_rule_on_its_schedule():
         assert float(step_entropy(s.kind, sigmas[k], sigmas[k + m - 1], s.noise_level)) < 1.1
     assert max(float(step_entropy(s.kind, sigmas[k], sigmas[k + 1], s.noise_level))
                for k in range(s.num_steps // 2)) < 1.1
+
+
+def test_branch_grpo_recipe_grows_the_anchors_tree():
+    """flux_branch_grpo is BranchGRPO's FLUX script (finetune_flux_branchgrpo_8gpus.sh and
+    train_branchgrpo_flux.py at 19fbb9f): binary splits at steps 0, 3, 6, 9 of 20 (16 leaves, the
+    group), DanceGRPO's SDE at eta 0.3 on every step but the last, on sd3_time_shift(3,
+    linspace(1, 0, 21)), the leaves' mean backup. Level by level the tree has the anchor's node
+    counts (2^(splits at or before the step) after step i), so the same transformer calls, and
+    trains every anchor edge but the 16 of its last step."""
+    from flowgrpo.sde import shifted_linear_sigmas, transition
+    from flowgrpo.tree import tree_shape
+
+    split_points, steps, eta, shift = (0, 3, 6, 9), 20, 0.3, 3.0     # the script's values
+    config = load_config("configs/flux_branch_grpo.yaml")
+    s, plan = config.sampling, config.sampling.plan
+    assert (plan.kind, plan.tree_branching, plan.tree_backup) == ("tree", 2, "mean")
+    assert tuple(plan.tree_branch_at) == split_points and plan.tree_trained is None
+    assert tuple(plan.tree_window) == (0, steps - 1)
+    assert (s.num_steps, s.kind, s.noise_level, s.sigma_shift) == (steps, "dance_sde", eta, shift)
+    assert s.share_initial_noise and s.guidance_scale == 3.5
+    assert config.training.group_size == 2 ** len(split_points) == 16
+    assert (config.training.clip_low, config.training.adv_clip) == (1e-3, 5.0)
+
+    # the anchor's tree: after step i every node has split at each split point <= i
+    after = [2 ** sum(p <= i for p in split_points) for i in range(steps)]
+    before = [1] + after[:-1]
+    shape = tree_shape(plan, s.num_steps)
+    assert [shape.nodes(j + 1) for j in range(len(shape.window))] == after[:steps - 1]
+    assert shape.transformer_calls(steps) == sum(before) == 203
+    assert shape.trained_edges == sum(after) - after[-1] == 218 - 16
+
+    # the schedule and DanceGRPO's step (flux_step with sde_solver=True) at eta 0.3
+    t = torch.linspace(1, 0, steps + 1, dtype=torch.float64)
+    anchor_sigmas = (shift * t / (1 + (shift - 1) * t)).float()
+    sigmas = shifted_linear_sigmas(steps, shift, s.sigma_schedule_start)
+    torch.testing.assert_close(sigmas, anchor_sigmas)
+    gen = torch.Generator().manual_seed(0)
+    x, v = torch.randn(2, 8, generator=gen), torch.randn(2, 8, generator=gen)
+    for i in (0, 9, steps - 2):
+        sigma, nxt = float(sigmas[i]), float(sigmas[i + 1])
+        x0 = x - sigma * v
+        score = -(x - x0 * (1 - sigma)) / sigma ** 2
+        mean = x + (nxt - sigma) * v + (-0.5 * eta ** 2 * score) * (nxt - sigma)
+        step = transition(s.kind, v, x, sigma, nxt, noise_level=s.noise_level)
+        torch.testing.assert_close(step.mean, mean, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(step.std, torch.full((2,), eta * math.sqrt(sigma - nxt)))
 
 
 def test_cli_tiny_trains_a_recipe_offline_on_the_cpu(tiny_recipe_root, tmp_path, monkeypatch):
