@@ -10,7 +10,8 @@ changes is size and place:
 - images / videos are ``TINY_HEIGHT x TINY_WIDTH`` (x ``TINY_NUM_FRAMES``), weights float32, no
   mixed precision, no offloading or gradient checkpointing, the default attention;
 - an iteration is ``TINY_PROMPTS`` groups of ``TINY_GROUP_SIZE`` samples, rolled out
-  ``TINY_ROLLOUT_BATCH`` at a time; evaluation uses ``TINY_EVAL_PROMPTS`` held-out prompts at the
+  ``TINY_ROLLOUT_BATCH`` at a time (a tree plan keeps the recipe's group, its leaves, and rolls
+  out one tree at a time); evaluation uses ``TINY_EVAL_PROMPTS`` held-out prompts at the
   training step count; the run is ``TINY_ITERATIONS`` iterations, checkpointed at the end, named
   ``<name>_tiny`` so that it never touches the real run's folder;
 - rewards whose weights come from the hub (PickScore, CLIP score, aesthetic, temporal
@@ -265,6 +266,12 @@ def tiny_patch(raw: dict, root: str | os.PathLike | None = None) -> dict:
         patch["name"] = f"{name}_tiny"
     if isinstance(num_steps, int) and not isinstance(num_steps, bool):
         patch["sampling"]["eval_num_steps"] = num_steps
+    group_size = _get(raw, "training.group_size", None)
+    if _get(raw, "sampling.plan.kind", None) == "tree" and isinstance(group_size, int):
+        # A tree's group is its leaves (branching ** splits): a group of TINY_GROUP_SIZE would
+        # change the method, so the tiny run keeps the recipe's tree and rolls one tree at a time.
+        patch["training"]["group_size"] = group_size
+        patch["sampling"]["rollout_batch_size"] = group_size
     return patch
 
 

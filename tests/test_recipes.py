@@ -89,16 +89,11 @@ OCR_RECIPES = ("sd3_ocr", "qwen_image_ocr", "wan22_video")
 # flux_branch_grpo: 2 trees of 203 transformer calls, 38 optimiser steps (6 min an iteration on a
 # loaded 2-core machine).
 SLOW_TINY = ("wan22_video", "flux_pref_grpo", "flux_branch_grpo")
-# A tree recipe's group is its tree's leaves (16 for BranchGRPO's binary splits at 4 steps), which
-# --tiny's group of 4 is not: its tiny config keeps the group, one tree a rollout call, and 2 trees
-# (so 38 replay batches for its 38 optimiser steps).
-TINY_CONFIG_OVERRIDES = {"flux_branch_grpo": ["training.group_size=16",
-                                              "sampling.rollout_batch_size=16",
-                                              "training.prompts_per_iteration=2"]}
-# Overrides of a recipe's tiny run: flux_e_grpo takes a step per branch step (3) and a tiny run's
-# 2 groups make 2 replay batches, so its tiny run has a group for each branch step.
-TINY_RUN_OVERRIDES = {"flux_e_grpo": ["training.prompts_per_iteration=3"],
-                      **TINY_CONFIG_OVERRIDES}
+# A tree recipe's group is its tree's leaves (16 for BranchGRPO's binary splits at 4 steps):
+# --tiny keeps that group and rolls one tree at a time, with --tiny's 2 prompts (so 38 replay
+# batches for its 38 optimiser steps), with no override.
+TREE_RECIPES = ("flux_branch_grpo",)
+TINY_RUN_OVERRIDES = {"flux_e_grpo": ["training.prompts_per_iteration=3"]}
 METHOD_FIELDS = [
     "sampling.num_steps", "sampling.kind", "sampling.noise_level", "sampling.log_prob",
     "sampling.sigma_schedule", "sampling.sigma_shift", "sampling.sigma_schedule_start",
@@ -157,8 +152,7 @@ def test_shipped_recipe_steps_the_optimiser_like_its_anchor(name):
 @pytest.mark.parametrize("name", sorted(SHIPPED) + sorted(SAMPLE_SHIPPED))
 def test_tiny_config_keeps_the_method_settings_and_shrinks_the_rest(name, tiny_recipe_root):
     recipe = load_config(f"configs/{name}.yaml")
-    tiny = load_tiny_config(f"configs/{name}.yaml", TINY_CONFIG_OVERRIDES.get(name),
-                            root=tiny_recipe_root)
+    tiny = load_tiny_config(f"configs/{name}.yaml", root=tiny_recipe_root)
     for dotted in METHOD_FIELDS:
         assert _field(tiny, dotted) == _field(recipe, dotted), dotted
     stand_in = {"remote": TINY_REMOTE_STAND_IN}
@@ -172,8 +166,9 @@ def test_tiny_config_keeps_the_method_settings_and_shrinks_the_rest(name, tiny_r
     assert tiny.model.options["height"] == tiny.model.options["width"] == 32
     assert (tiny_recipe_root / tiny_build_name(recipe.model.family, recipe.model.path)
             / "model_index.json").is_file()
-    if name in TINY_CONFIG_OVERRIDES:   # a tree: the recipe's group, 2 trees
-        assert tiny.training.group_size == recipe.training.group_size
+    if name in TREE_RECIPES:   # a tree: the recipe's group (its leaves), one tree a call, 2 trees
+        assert tiny.training.group_size == recipe.training.group_size == 16
+        assert tiny.sampling.rollout_batch_size == 16
         assert tiny.training.prompts_per_iteration == 2
     else:
         assert tiny.training.prompts_per_iteration * tiny.training.group_size == 8
