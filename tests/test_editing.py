@@ -406,3 +406,34 @@ def test_remote_edit_reward_receives_the_source_image():
     finally:
         server.shutdown()
         server.server_close()
+
+
+# The editing probe whose records back configs/toy_edit_nft.yaml (benchmarks/COMMANDS.md,
+# #edit-nft): toy_edit.yaml with these overrides and a seed.
+EDIT_NFT_PROBE = [
+    "training.algorithm=nft", "sampling.plan={kind: ode, solver_after: euler}",
+    "training.locality={mask: 'off'}", "training.lr=8.0e-4",
+    "training.gradient_accumulation_steps=0", "training.optimizer_steps_per_epoch=2",
+    "training.adv_clip=5.0", "training.kl_beta=1.0e-4", "training.skip_zero_std_groups=false",
+    "training.timesteps={count: 2, sampling: discrete, fraction: 0.6}",
+    "training.anchor_beta=10.0", "training.anchor_sigma_max=0.45",
+    "training.nft={beta: 1.0, old_flat_steps: 0, old_ramp_rate: 0.001, old_max_decay: 0.5}"]
+
+
+def test_the_nft_editing_config_is_the_measured_probe():
+    """configs/toy_edit_nft.yaml trains what its records measured: field for field the editing
+    default with the probe's overrides (only the name differs), and the probe's command in
+    benchmarks/COMMANDS.md carries every override."""
+    from flowgrpo.config import to_dict
+
+    probe = to_dict(load_config("configs/toy_edit.yaml", EDIT_NFT_PROBE))
+    shipped = to_dict(load_config("configs/toy_edit_nft.yaml"))
+    assert shipped.pop("name") == "toy_edit_nft" and probe.pop("name") == "toy_edit"
+    assert shipped == probe
+    commands = Path("benchmarks/COMMANDS.md").read_text()
+    section = commands[commands.index('<a id="edit-nft">'):]
+    flat = " ".join(section.replace("\\\n", " ").split())
+    for override in EDIT_NFT_PROBE:
+        assert override.replace("'", "") in flat.replace("'", "").replace('"', ""), override
+    records = sorted(Path("benchmarks/results/methods/guarded/edit_nft").glob("s*.json"))
+    assert [json.loads(p.read_text())["seed"] for p in records] == [0, 1, 2]
