@@ -55,8 +55,10 @@ IS = {
     "flow_grpo_fast_cps": dict(kind="cps", stochastic=3, trained="stochastic", moves="group",
                                solver="euler", shared=False, first_half=True,
                                log_prob="unscaled"),
+    # Flash-GRPO: one initial noise a group (the anchor's is per video; benchmarks/README.md
+    # measured why the toy needs it)
     "flash_grpo": dict(kind="flash_sde", stochastic=1, trained="stochastic", moves="group",
-                       solver="euler", shared=False, first_half=True, rectification=True),
+                       solver="euler", shared=True, first_half=True, rectification=True),
     # E-GRPO: its one SDE step merges 2-4 schedule steps, so every plan visits fewer than 16
     "e_grpo": dict(kind="flow_sde", stochastic=1, trained="stochastic", moves="group",
                    solver="euler", shared=True, first_half=True, compressed=True),
