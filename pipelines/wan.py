@@ -315,7 +315,9 @@ class WanModel(DiffusersFlowModel):
         config = self.vae.config
         mean = torch.tensor(config.latents_mean, dtype=torch.float32, device=self.device).view(1, -1, 1, 1, 1)
         std = torch.tensor(config.latents_std, dtype=torch.float32, device=self.device).view(1, -1, 1, 1, 1)
-        z = latents.to(self.device, torch.float32) * std + mean
+        # divided by 1 / std, as the stock pipelines do: multiplying by std differs by float32
+        # rounding, which the VAE amplifies to about 1e-5 in pixels
+        z = latents.to(self.device, torch.float32) / (1.0 / std) + mean
         with self.vae_on_device():
             videos = self.vae.decode(z.to(self.vae.dtype), return_dict=False)[0]   # (B, 3, F, H, W)
         return (videos.float().permute(0, 2, 1, 3, 4) * 0.5 + 0.5).clamp(0.0, 1.0)

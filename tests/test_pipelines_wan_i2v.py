@@ -12,7 +12,7 @@ import pytest
 import torch
 from PIL import Image
 
-from flowgrpo.model import FlowModel
+from flowgrpo.model import FlowModel, cfg_gradient
 from flowgrpo.pixels import to_uint8
 from flowgrpo.rollout import sample_ode
 from pipelines import load_model
@@ -91,7 +91,15 @@ def test_ode_matches_stock_pipeline(wan_i2v, tiny_wan_i2v_dir, guidance_scale):
     reference = _stock_videos(_stock(tiny_wan_i2v_dir, wan_i2v.shift), image, noise, guidance_scale)
     assert ours.shape == reference.shape == (2, F, 3, H, W)
     assert ((ours > 0) & (ours < 1)).float().mean() > 0.9
-    torch.testing.assert_close(ours, reference, atol=1e-5, rtol=0)
+    # CFG's two branches run as one batched forward here and as two in the stock pipeline: float32
+    # reduction order differs (about 2e-6 in latents of magnitude 5, measured), and at CFG 5 the
+    # VAE carries that to about 1.4e-5 in pixels. Two forwards are the stock arithmetic exactly.
+    torch.testing.assert_close(ours, reference, atol=1e-5 if guidance_scale == 1.0 else 3e-5, rtol=0)
+    if guidance_scale > 1.0:
+        with cfg_gradient("conditional"):
+            two_forwards = sample_ode(wan_i2v, PROMPTS, noise, NUM_STEPS, guidance_scale,
+                                      images=[image, image])
+        torch.testing.assert_close(two_forwards, reference, atol=1e-6, rtol=0)
 
 
 def test_first_frame_condition_is_the_mask_and_the_normalised_latents(wan_i2v):
