@@ -894,7 +894,8 @@ def test_committed_results_are_what_their_command_reproduces(bench):
     computes today (the config file with its --set overrides, digested), so rerunning the
     commands in benchmarks/README.md reuses it instead of refusing it as "measured with other
     settings". Adding a config field or editing a shipped value breaks this unless the field is
-    listed in FIELDS_ADDED_SINCE_RESULTS or the old runs are re-expressed."""
+    listed in FIELDS_ADDED_SINCE_RESULTS or the old runs are re-expressed
+    (benchmarks/methods_reexpress.py METHOD FIELD=OLD_VALUE ...)."""
     records = sorted((ROOT / "benchmarks" / "results" / "methods").glob("**/runs/*.json"))
     assert len(records) >= 60
     stale = []
@@ -911,3 +912,26 @@ def test_committed_results_are_what_their_command_reproduces(bench):
             stale.append(str(path.relative_to(ROOT)))
     assert not stale, f"results that their command would refuse: {stale}"
 
+
+
+def test_reexpressing_a_record_restores_its_command_only_with_the_values_it_ran():
+    """benchmarks/methods_reexpress.py: a committed Flash-GRPO table record (run at lr 2e-4,
+    independent noise, cap 101, before flash_grpo.yaml changed) stripped of those overrides no
+    longer matches its command; re-expressed with the old values it does again, with its stored
+    digest; with a wrong old value it is refused, not rewritten."""
+    from tests.helpers import load_benchmark
+
+    tool = load_benchmark("methods_reexpress")
+    path = ROOT / "benchmarks/results/methods/runs/flash_grpo_s0.json"
+    record = json.loads(path.read_text())
+    assert tool.spec_of(record).signature() == record["signature"]   # as committed
+    old = {"training.lr": "2e-4", "sampling.share_initial_noise": "false",
+           "run.max_iterations": "101"}
+    kept = [o for o in record["signature"]["overrides"] if o.split("=", 1)[0] not in old]
+    bare = {**record, "signature": {**record["signature"], "overrides": kept}}
+    assert tool.spec_of(bare).signature() != bare["signature"]
+    mended = tool.reexpress(bare, old)
+    assert tool.spec_of(mended).signature() == mended["signature"]
+    assert mended["signature"]["config_digest"] == record["signature"]["config_digest"]
+    assert tool.reexpress(bare, {**old, "training.lr": "4e-4"}) is None
+    assert tool.reexpress(record, old) is None                      # nothing to do
