@@ -57,6 +57,12 @@ def main(argv: list[str] | None = None) -> int:
     if bad:
         parser.error(f"old values must be FIELD=VALUE (e.g. training.lr=2e-4); got {bad}")
     old = dict(v.split("=", 1) for v in args.old_values)
+    # The benchmark sets these for every run after the config is read, so a config's own value
+    # never reached a record: naming one would override the benchmark's and break the digest.
+    fixed = {o.split("=", 1)[0] for o in RunSpec(args.method, 0, "k", 1.0, 1.0, 0).common_overrides(Path("out"))}
+    if fixed & old.keys():
+        parser.error(f"{sorted(fixed & old.keys())} are set by the benchmark for every run (not "
+                     f"from the config): leave them out")
     stale = 0
     for path in sorted(args.results.glob("**/runs/*.json")):
         text = path.read_text()
