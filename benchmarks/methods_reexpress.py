@@ -22,25 +22,18 @@ from benchmarks.methods_runs import RunSpec  # noqa: E402
 RESULTS = Path(__file__).resolve().parent / "results" / "methods"
 
 
-def spec_of(record: dict, extra: tuple[str, ...] = ()) -> RunSpec:
-    """The RunSpec a record's signature describes, with ``extra`` overrides appended."""
-    sig = record["signature"]
-    return RunSpec(sig["method"], sig["seed"], record["key"], sig["budget"], sig["eval_interval"],
-                   sig["eval_seed"], tuple(sig["overrides"]) + extra, sig["max_iterations"])
-
-
 def reexpress(record: dict, old_values: dict[str, str]) -> dict | None:
     """``record`` with ``old_values`` (dotted field -> its value then) added to its overrides, or
     None when it needs none (its signature still holds) or when they do not reproduce its stored
     digest (then the old values are wrong and the record must be left alone). A record with its
     own max_iterations (tuning's scaled schedule) ignores an old ``run.max_iterations``."""
     sig = record["signature"]
-    if spec_of(record).signature() == sig:
+    if RunSpec.of_record(record).signature() == sig:
         return None
     have = {o.split("=", 1)[0] for o in sig["overrides"]}
     extra = tuple(f"{k}={v}" for k, v in old_values.items() if k not in have
                   and not (k == "run.max_iterations" and sig["max_iterations"] is not None))
-    new = spec_of(record, extra).signature()
+    new = RunSpec.of_record(record, extra).signature()
     if new["config_digest"] != sig["config_digest"]:
         return None
     return {**record, "signature": {**sig, "overrides": new["overrides"]}}
@@ -69,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         record = json.loads(text)
         if not record.get("finished") or record["signature"]["method"] != args.method:
             continue
-        if spec_of(record).signature() == record["signature"]:
+        if RunSpec.of_record(record).signature() == record["signature"]:
             continue
         new = reexpress(record, old)
         if new is None:

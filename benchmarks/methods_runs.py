@@ -173,6 +173,13 @@ class RunSpec:
     overrides: tuple[str, ...] = ()
     max_iterations: int | None = None
 
+    @classmethod
+    def of_record(cls, record: dict, extra: tuple[str, ...] = ()) -> "RunSpec":
+        """The spec a finished record's signature describes, with ``extra`` overrides appended."""
+        sig = record["signature"]
+        return cls(sig["method"], sig["seed"], record["key"], sig["budget"], sig["eval_interval"],
+                   sig["eval_seed"], tuple(sig["overrides"]) + extra, sig["max_iterations"])
+
     def common_overrides(self, out: Path) -> list[str]:
         return [f"run.seed={self.seed}", f"prompts.eval_seed={self.eval_seed}",
                 "run.num_threads=1", "run.tracker=none", "run.progress=false",

@@ -906,15 +906,9 @@ def test_committed_results_are_what_their_command_reproduces(bench):
         record = json.loads(path.read_text())
         if not record.get("finished"):
             continue
-        signature = record["signature"]
-        spec = bench.RunSpec(signature["method"], signature["seed"], record["key"],
-                             signature["budget"], signature["eval_interval"],
-                             signature["eval_seed"], tuple(signature["overrides"]),
-                             signature["max_iterations"])
-        if spec.signature() != signature:
+        if bench.RunSpec.of_record(record).signature() != record["signature"]:
             stale.append(str(path.relative_to(ROOT)))
     assert not stale, f"results that their command would refuse: {stale}"
-
 
 
 def test_reexpressing_a_record_restores_its_command_only_with_the_values_it_ran():
@@ -927,14 +921,14 @@ def test_reexpressing_a_record_restores_its_command_only_with_the_values_it_ran(
     tool = load_benchmark("methods_reexpress")
     path = ROOT / "benchmarks/results/methods/runs/flash_grpo_s0.json"
     record = json.loads(path.read_text())
-    assert tool.spec_of(record).signature() == record["signature"]   # as committed
+    assert tool.RunSpec.of_record(record).signature() == record["signature"]   # as committed
     old = {"training.lr": "2e-4", "sampling.share_initial_noise": "false",
            "run.max_iterations": "101"}
     kept = [o for o in record["signature"]["overrides"] if o.split("=", 1)[0] not in old]
     bare = {**record, "signature": {**record["signature"], "overrides": kept}}
-    assert tool.spec_of(bare).signature() != bare["signature"]
+    assert tool.RunSpec.of_record(bare).signature() != bare["signature"]
     mended = tool.reexpress(bare, old)
-    assert tool.spec_of(mended).signature() == mended["signature"]
+    assert tool.RunSpec.of_record(mended).signature() == mended["signature"]
     assert mended["signature"]["config_digest"] == record["signature"]["config_digest"]
     assert tool.reexpress(bare, {**old, "training.lr": "4e-4"}) is None
     assert tool.reexpress(record, old) is None                      # nothing to do
