@@ -262,8 +262,8 @@ def test_mix_windows_sweep_the_share_of_the_range_the_anchors_sweep(bench):
     """MixGRPO visits about half of its window positions in a run, MixGRPO-Flash about two
     thirds (the anchors' 12 and 15 of 23), whatever run.max_iterations the calibration writes.
     The calibration sets shift_interval from the iterations the budget fits and the cap 1.25x
-    above them (so that the budget, not the cap, ends a run); older caps equal the fit. Counted
-    over cap / 1.25 iterations, both hold within 0.1."""
+    above them (so that the budget, not the cap, ends a run). Counted over the fit (cap / 1.25
+    iterations), both hold within 0.1."""
     for name, share in (("mix_grpo", 12 / 23), ("mix_grpo_flash", 15 / 23)):
         config = method_config(bench, name)
         plans = plans_of(config, range(round(config.run.max_iterations / 1.25)), groups=[0])
