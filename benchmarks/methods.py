@@ -110,6 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="--report: also each method's gain at --at-cpu CPU seconds at the "
                              "CPU seconds per iteration this report's methods.json measured "
                              "(repeatable: each method's pace from the first file that has it)")
+    parser.add_argument("--include", action="append", default=[], metavar="OUT",
+                        help="--report: also the finished runs of OUT/runs (a table run on "
+                             "another day into its own folder), reported with --out's as one "
+                             "table written into --out (repeatable)")
     parser.add_argument("--at-cpu", type=float, default=None, metavar="SECONDS",
                         help="--report with --pace-from: the budget, in that report's seconds")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -157,10 +161,15 @@ def main(argv: list[str] | None = None) -> dict | None:
     if not (budget > 0 and interval > 0):
         raise SystemExit(f"--budget and --eval-interval must be > 0 (got {budget}, {interval})")
 
+    if args.include and not args.report:
+        raise SystemExit("--include adds folders to --report only: add --report (the runs of "
+                         "each folder are made by their own table command)")
     if args.report:
         paces = [Path(p) if Path(p).is_absolute() else ROOT / p for p in args.pace_from]
         try:
-            return report(out, command, pace_files=paces, at_cpu=args.at_cpu)
+            return report(out, command, pace_files=paces, at_cpu=args.at_cpu,
+                          include=[Path(p) if Path(p).is_absolute() else ROOT / p
+                                   for p in args.include])
         except ValueError as error:
             raise SystemExit(str(error)) from None
     if args.signal:

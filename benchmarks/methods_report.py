@@ -9,7 +9,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 from benchmarks.methods_registry import DEFAULT_OUT, METHODS, ROOT
 from benchmarks.methods_runs import milestones, write_json
@@ -474,16 +474,38 @@ def reproduce_command(records: list[dict], out: Path) -> str:
     return " ".join(parts)
 
 
+def gathered_records(out: Path, include: Sequence[Path] = ()) -> list[dict]:
+    """The finished runs of ``<out>/runs`` and of each ``<include>/runs`` (tables run on other
+    days into their own folders, reported as one). A run key found twice, or runs scored on
+    different held-out samples (another base accuracy), make one table meaningless: ValueError."""
+    records, seen = [], {}
+    for folder in (out, *include):
+        for record in finished_records(folder):
+            if record["key"] in seen:
+                raise ValueError(f"run {record['key']} is in both {seen[record['key']]} and "
+                                 f"{folder}: report each folder alone, or include it once")
+            seen[record["key"]] = folder
+            records.append(record)
+    bases = {r["base"]["accuracy"] for r in records}
+    if len(bases) > 1:
+        raise ValueError(f"the runs were scored on different held-out samples (base accuracies "
+                         f"{sorted(bases)}): only tables with the same evaluation seed and size "
+                         f"report together")
+    return records
+
+
 def report(out: Path, command: str = "", log: Callable[[str], None] = print,
-           pace_files: list[Path] | None = None, at_cpu: float | None = None) -> dict | None:
-    """Aggregate every finished run in ``<out>/runs`` into table.md, methods.json and
-    accuracy_vs_cpu_seconds.png. Returns the JSON's content (None when nothing is finished).
-    With ``pace_files`` and ``at_cpu``, also every method's gain at ``at_cpu`` CPU seconds at the
-    pace those reports measured (``paced_budgets``)."""
+           pace_files: list[Path] | None = None, at_cpu: float | None = None,
+           include: Sequence[Path] = ()) -> dict | None:
+    """Aggregate every finished run in ``<out>/runs`` (and in each ``include`` folder's
+    ``runs``) into table.md, methods.json and accuracy_vs_cpu_seconds.png in ``out``. Returns the
+    JSON's content (None when nothing is finished). With ``pace_files`` and ``at_cpu``, also
+    every method's gain at ``at_cpu`` CPU seconds at the pace those reports measured
+    (``paced_budgets``)."""
     if (not pace_files) != (at_cpu is None):
         raise ValueError("--pace-from and --at-cpu go together: the budget is in the CPU seconds "
                          "of the report the pace comes from")
-    records = finished_records(out)
+    records = gathered_records(out, include)
     if not records:
         log(f"no finished runs in {out / 'runs'}: nothing to report")
         return None
@@ -495,7 +517,8 @@ def report(out: Path, command: str = "", log: Callable[[str], None] = print,
     equal_iterations = min(r["evals"][-1]["iteration"] for r in records)
     summaries = [summarize_method(by_method[m], equal_iterations=equal_iterations)
                  for m in order]
-    unfinished = sorted(p.stem for p in (out / "runs").glob("*.json")
+    unfinished = sorted(p.stem for folder in (out, *include)
+                        for p in (folder / "runs").glob("*.json")
                         if p.stem not in {r["key"] for r in records})
     first = summaries[0]
     base = first["base"]
@@ -513,8 +536,15 @@ def report(out: Path, command: str = "", log: Callable[[str], None] = print,
               "over every iteration of every seed, CPU seconds; rollout includes the reward; "
               "other = the rest of the iteration.",
             ""]
-    head.insert(1, f"Command (resumable; reruns skip finished runs): "
-                   f"`{reproduce_command(records, out)}`")
+    # one command per folder: the runs of each were made by its own
+    commands = []
+    for folder in (out, *include):
+        keys = {r["key"] for r in finished_records(folder)}
+        if keys:
+            commands.append(reproduce_command([r for r in records if r["key"] in keys], folder))
+    head.insert(1, ("Commands, one per folder" if len(commands) > 1 else "Command")
+                + " (resumable; reruns skip finished runs): "
+                + "; ".join(f"`{c}`" for c in commands))
     table = "\n".join(head + [format_table(summaries)])
     table += "\n\n" + format_ranking(summaries)
     table += "\n\n" + format_equal_iterations(summaries)
@@ -542,9 +572,10 @@ def report(out: Path, command: str = "", log: Callable[[str], None] = print,
               "(time: median CPU seconds to +10 points; reward: training reward over the second "
               "half of the iterations both runs did, mean over seeds; early gain: held-out gain "
               "at the first evaluation, mean over seeds):\n\n" + format_claims(claims))
+    out.mkdir(parents=True, exist_ok=True)     # a report of included folders only
     (out / "table.md").write_text(table + "\n")
     data = {"generated": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "command": command,
-            "table_command": reproduce_command(records, out),
+            "table_command": "; ".join(commands),
             "separations": [{"higher": h, "lower": low} for h, low in separations(summaries)],
             "target_delta": TARGET_DELTA, "methods": by_name, "claims": claims,
             "unfinished": unfinished}

@@ -944,3 +944,47 @@ def test_reexpress_refuses_a_field_the_benchmark_sets_for_every_run(capsys):
         tool.main(["mix_grpo_flash", "run.max_iterations=125", "run.eval_every=31"])
     assert exit_info.value.code == 2
     assert "['run.eval_every'] are set by the benchmark" in capsys.readouterr().err
+
+
+def test_report_includes_tables_from_other_folders_as_one(bench, tmp_path):
+    """A table run on another day into its own folder reports with this one: every method in
+    one table, the claims between them measured, each folder's own command named."""
+    def write(folder, records):
+        (folder / "runs").mkdir(parents=True)
+        for record in records:
+            (folder / "runs" / f"{record['key']}.json").write_text(json.dumps(record))
+
+    def with_rewards(record, rewards):
+        record["iterations"]["reward/total/mean"] = rewards
+        return record
+
+    first, second, combined = tmp_path / "day1", tmp_path / "day2", tmp_path / "both"
+    write(first, [with_rewards(_record("flow_grpo_fast", s, [0.36, 0.42, 0.45]), [0.5] * 30)
+                  for s in (0, 1)])
+    write(second, [with_rewards(_record("flow_grpo", s, [0.32, 0.35, 0.41]), [0.4] * 30)
+                   for s in (0, 1)])
+    alone = bench.report(first, log=lambda _: None)
+    assert list(alone["methods"]) == ["flow_grpo_fast"]
+    claim = next(c for c in alone["claims"] if c["baseline"] == "flow_grpo")
+    assert claim["measured"] == "not measured"
+
+    data = bench.report(combined, log=lambda _: None, include=[first, second])
+    assert list(data["methods"]) == ["flow_grpo", "flow_grpo_fast"]          # METHODS order
+    claim = next(c for c in data["claims"] if c["method"] == "flow_grpo_fast")
+    assert claim["ratio"] == pytest.approx(0.5 / 0.4)          # reward at equal iterations
+    table = (combined / "table.md").read_text()
+    assert "Commands, one per folder" in table
+    assert f"--methods flow_grpo_fast --out {first}" in table
+    assert f"--methods flow_grpo --out {second}" in table
+    own = {folder: [json.loads(p.read_text()) for p in sorted((folder / "runs").glob("*.json"))]
+           for folder in (first, second)}
+    assert data["table_command"] == "; ".join(bench.reproduce_command(records, folder)
+                                              for folder, records in own.items())
+    assert not (first / "table.md").read_text().count("Flow_Grpo |")    # day 1 left as it was
+
+    write(tmp_path / "again", [_record("flow_grpo", 0, [0.3] * 3)])
+    with pytest.raises(ValueError, match="flow_grpo_s0 is in both"):
+        bench.report(combined, log=lambda _: None, include=[second, tmp_path / "again"])
+    write(tmp_path / "other_eval", [_record("mix_grpo", 0, [0.3] * 3, base=0.25)])
+    with pytest.raises(ValueError, match="different held-out samples"):
+        bench.report(combined, log=lambda _: None, include=[first, tmp_path / "other_eval"])
