@@ -139,6 +139,17 @@ def test_a_signal_at_a_checkpoint_does_not_save_it_twice(tiny_sd3_path, tmp_path
 
 def test_a_signal_left_out_of_save_on_signal_keeps_its_default(tiny_sd3_path, tmp_path):
     """run.save_on_signal without SIGINT: Ctrl-C is Python's KeyboardInterrupt again."""
+    # Python's own SIGINT handler, as in a terminal: a test process started in the background
+    # by a non-interactive shell inherits SIGINT ignored, and the trainer must keep that too.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        _run_plain_with_sigint(tiny_sd3_path, tmp_path)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler   # left as it was
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _run_plain_with_sigint(tiny_sd3_path: str, tmp_path: Path) -> None:
     reward = {"name": "tests.helpers:SignalOnCall", "options": {"signal": "SIGINT", "call": 3}}
     data = signal_data(tiny_sd3_path, tmp_path, "plain", reward, save_on_signal=["SIGTERM"])
     with pytest.raises(KeyboardInterrupt):
