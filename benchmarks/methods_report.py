@@ -474,24 +474,25 @@ def reproduce_command(records: list[dict], out: Path) -> str:
     return " ".join(parts)
 
 
-def gathered_records(out: Path, include: Sequence[Path] = ()) -> list[dict]:
+def gathered_records(out: Path, include: Sequence[Path] = ()) -> dict[Path, list[dict]]:
     """The finished runs of ``<out>/runs`` and of each ``<include>/runs`` (tables run on other
-    days into their own folders, reported as one). A run key found twice, or runs scored on
-    different held-out samples (another base accuracy), make one table meaningless: ValueError."""
-    records, seen = [], {}
+    days into their own folders, reported as one), by folder; folders without any are left out.
+    A run key found twice, or runs scored on different held-out samples (another base
+    accuracy), make one table meaningless: ValueError."""
+    by_folder, seen = {}, {}
     for folder in (out, *include):
         for record in finished_records(folder):
             if record["key"] in seen:
                 raise ValueError(f"run {record['key']} is in both {seen[record['key']]} and "
                                  f"{folder}: report each folder alone, or include it once")
             seen[record["key"]] = folder
-            records.append(record)
-    bases = {r["base"]["accuracy"] for r in records}
+            by_folder.setdefault(folder, []).append(record)
+    bases = {r["base"]["accuracy"] for records in by_folder.values() for r in records}
     if len(bases) > 1:
         raise ValueError(f"the runs were scored on different held-out samples (base accuracies "
                          f"{sorted(bases)}): only tables with the same evaluation seed and size "
                          f"report together")
-    return records
+    return by_folder
 
 
 def report(out: Path, command: str = "", log: Callable[[str], None] = print,
@@ -505,7 +506,8 @@ def report(out: Path, command: str = "", log: Callable[[str], None] = print,
     if (not pace_files) != (at_cpu is None):
         raise ValueError("--pace-from and --at-cpu go together: the budget is in the CPU seconds "
                          "of the report the pace comes from")
-    records = gathered_records(out, include)
+    by_folder = gathered_records(out, include)
+    records = [r for folder_records in by_folder.values() for r in folder_records]
     if not records:
         log(f"no finished runs in {out / 'runs'}: nothing to report")
         return None
@@ -537,11 +539,8 @@ def report(out: Path, command: str = "", log: Callable[[str], None] = print,
               "other = the rest of the iteration.",
             ""]
     # one command per folder: the runs of each were made by its own
-    commands = []
-    for folder in (out, *include):
-        keys = {r["key"] for r in finished_records(folder)}
-        if keys:
-            commands.append(reproduce_command([r for r in records if r["key"] in keys], folder))
+    commands = [reproduce_command(folder_records, folder)
+                for folder, folder_records in by_folder.items()]
     head.insert(1, ("Commands, one per folder" if len(commands) > 1 else "Command")
                 + " (resumable; reruns skip finished runs): "
                 + "; ".join(f"`{c}`" for c in commands))

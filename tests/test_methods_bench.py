@@ -980,7 +980,10 @@ def test_report_includes_tables_from_other_folders_as_one(bench, tmp_path):
            for folder in (first, second)}
     assert data["table_command"] == "; ".join(bench.reproduce_command(records, folder)
                                               for folder, records in own.items())
-    assert not (first / "table.md").read_text().count("Flow_Grpo |")    # day 1 left as it was
+    assert list(json.loads((first / "methods.json").read_text())["methods"]) == [
+        "flow_grpo_fast"]                                   # day 1's own report left as it was
+    with pytest.raises(SystemExit, match="--include adds folders to --report only"):
+        bench.main(["--include", str(first), "--out", str(combined)])
 
     write(tmp_path / "again", [_record("flow_grpo", 0, [0.3] * 3)])
     with pytest.raises(ValueError, match="flow_grpo_s0 is in both"):
