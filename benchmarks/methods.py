@@ -18,7 +18,9 @@ thread per process (``torch.set_num_threads(1)`` before any work); the budget co
 CPU seconds (``time.process_time``, every thread, the reward thread included) spent in training
 iterations, so model loading and evaluations are not counted. A run stops at the budget or at its
 config's ``run.max_iterations``, whichever comes first (its lr schedule is defined over
-``max_iterations``, which ``--calibrate`` sizes to the budget).
+``max_iterations``, which ``--calibrate`` sizes to the budget). A table at a longer budget than
+the configs were calibrated for (``--budget 940 --schedule-from 600``) stretches every
+method's cap, and MixGRPO's window, by the budgets' ratio, so no run stops at its cap first.
 
 Evaluation: the config's own (held-out prompts, 96 samples per family = 576, 16-step Euler ODE),
 with the evaluation noise seed fixed (``prompts.eval_seed``) for every method and training seed,
@@ -70,7 +72,8 @@ from benchmarks.methods_report import (CLAIMS, MIN_GAIN_FOR_RATIO, capped_early,
 from benchmarks.methods_runs import (ACCURACY_KEY, ITERATION_KEYS, PhaseClock,  # noqa: E402,F401
                                      RunLock, RunSpec, base_evaluation, eval_signature,
                                      evaluation, load_average, merge_methods_json, milestones,
-                                     run_specs, run_status, torch_threads, train_run, write_json)
+                                     run_specs, run_status, scaled_schedule, torch_threads,
+                                     train_run, write_json)
 from benchmarks.methods_signal import group_signal, signal_probe  # noqa: E402,F401
 from benchmarks.methods_stats import (artifact_value, gains_at_iteration,  # noqa: E402,F401
                                       mean_of, median_seconds, seconds_to_target, t_interval,
@@ -116,6 +119,11 @@ def build_parser() -> argparse.ArgumentParser:
                              "table written into --out (repeatable)")
     parser.add_argument("--at-cpu", type=float, default=None, metavar="SECONDS",
                         help="--report with --pace-from: the budget, in that report's seconds")
+    parser.add_argument("--schedule-from", type=float, default=None, metavar="SECONDS",
+                        help="the table at a budget other than the one the configs were "
+                             "calibrated for (SECONDS, 600 for the shipped configs): every "
+                             "run's run.max_iterations, and MixGRPO's shift_interval, times "
+                             "--budget / SECONDS, so each schedule runs its course in --budget")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="extra dotted config override for every run (repeatable)")
     parser.add_argument("--signal-iterations", type=int, default=8,
@@ -224,6 +232,11 @@ def main(argv: list[str] | None = None) -> dict | None:
     seeds = parse_list(args.seeds, int, "--seeds")
     specs = [RunSpec(m.name, seed, f"{m.name}_s{seed}", budget, interval, TABLE_EVAL_SEED,
                      tuple(extra)) for m in methods for seed in seeds]
+    if args.schedule_from is not None:
+        if not args.schedule_from > 0:
+            raise SystemExit(f"--schedule-from must be > 0 seconds (got {args.schedule_from}): "
+                             f"the budget the configs' caps were calibrated for, 600")
+        specs = [scaled_schedule(spec, budget / args.schedule_from, out) for spec in specs]
     run_specs(specs, out)
     return report(out, command)
 

@@ -9,7 +9,7 @@ import json
 import math
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
@@ -216,6 +216,26 @@ class RunSpec:
                 "eval_interval": self.eval_interval, "eval_seed": self.eval_seed,
                 "overrides": list(self.overrides), "max_iterations": self.max_iterations,
                 "config": METHODS[self.method].config, "config_digest": digest.hexdigest()[:16]}
+
+
+def scaled_schedule(spec: RunSpec, factor: float, out: Path) -> RunSpec:
+    """``spec`` with its config's schedule stretched by ``factor``: run.max_iterations (over
+    which the lr decays) times ``factor``, rounded, and for the MixGRPO windows the
+    shift_interval likewise, so the window visits the same positions over the run. Used for a
+    budget other than the one the configs were calibrated for (tuning at a shorter budget, the
+    table at a longer one): every method's schedule then runs its course in the budget, shaped
+    as at the calibrated one. The shift_interval override is added only where it changes the
+    value, so a factor of 1 leaves the run's overrides (and its recorded signature) as they
+    were."""
+    config = spec.load(out)
+    total = max(1, round(config.run.max_iterations * factor))
+    overrides = tuple(spec.overrides)
+    if METHODS[spec.method].window_visits:
+        interval = config.sampling.plan.shift_interval
+        scaled = max(1, round(interval * factor))
+        if scaled != interval:
+            overrides += (f"sampling.plan.shift_interval={scaled}",)
+    return replace(spec, overrides=overrides, max_iterations=total)
 
 
 def eval_signature(config) -> dict:

@@ -10,7 +10,7 @@ from typing import Callable, Sequence
 
 from benchmarks.methods_registry import METHODS, TUNE_EVAL_SEED, TUNE_SEED, Method, parse_list
 from benchmarks.methods_report import fmt
-from benchmarks.methods_runs import RunSpec, run_status, write_json
+from benchmarks.methods_runs import RunSpec, run_status, scaled_schedule, write_json
 
 
 @dataclass
@@ -50,9 +50,7 @@ def tune_specs(methods: list[Method], settings: TuneSettings, out: Path,
                 spec = RunSpec(method.name, settings.seed, f"{method.name}_lr{lr_tag}_n{noise:g}",
                                settings.budget, settings.budget, settings.eval_seed, overrides)
                 if settings.schedule == "scaled":
-                    total = spec.load(out).run.max_iterations
-                    spec = RunSpec(**{**asdict(spec), "max_iterations": max(
-                        1, round(total * settings.budget / settings.table_budget))})
+                    spec = scaled_schedule(spec, settings.budget / settings.table_budget, out)
                 specs.append(spec)
     return specs
 

@@ -271,6 +271,38 @@ def test_mix_windows_sweep_the_share_of_the_range_the_anchors_sweep(bench):
         assert abs(len(visited) / 14 - share) < 0.1, (name, len(visited))
 
 
+def test_a_longer_budget_stretches_each_schedule_over_it(bench, tmp_path):
+    """--schedule-from: at 940 s against the configs' 600 every cap (the lr's decay) is 940/600
+    of the config's, and MixGRPO's window moves that much more slowly, so over the stretched run
+    it visits the same positions as over the config's (up to the last); a factor of 1 changes nothing the run
+    records, and a method without a window gets no window override."""
+    factor = 940 / 600
+    for name in ("mix_grpo", "mix_grpo_flash", "flow_grpo_guard", "default"):
+        spec = bench.RunSpec(name, 0, f"{name}_s0", 940.0, 200.0, 0, (f"model.path={TOY}",))
+        config = spec.load(tmp_path)
+        stretched = bench.scaled_schedule(spec, factor, tmp_path)
+        longer = stretched.load(tmp_path)
+        assert stretched.max_iterations == round(config.run.max_iterations * factor)
+        assert longer.run.max_iterations == stretched.max_iterations
+        assert longer.training.lr == config.training.lr
+        assert stretched.signature()["config_digest"] != spec.signature()["config_digest"]
+        same = bench.scaled_schedule(spec, 1.0, tmp_path)
+        assert same.overrides == spec.overrides
+        assert same.max_iterations == config.run.max_iterations
+        if not bench.METHODS[name].window_visits:
+            assert stretched.overrides == spec.overrides
+            continue
+        interval = config.sampling.plan.shift_interval
+        assert longer.sampling.plan.shift_interval == round(interval * factor) != interval
+        fit = round(config.run.max_iterations / 1.25)
+        positions = {p.stochastic[0] for p in plans_of(config, range(fit), groups=[0]).values()}
+        stretched_positions = {p.stochastic[0] for p in plans_of(
+            longer, range(round(longer.run.max_iterations / 1.25)), groups=[0]).values()}
+        # the same positions, up to the last one (both intervals are rounded): 8 against 7 of
+        # 14 for MixGRPO, whose fit is 7.03 intervals at 600 s and 6.98 at 940 s
+        assert len(stretched_positions ^ positions) <= 1, (name, positions, stretched_positions)
+
+
 # ----------------------------------------------------------------------------- evaluation noise
 
 
@@ -816,6 +848,8 @@ def test_bad_arguments_name_the_fix(bench):
         bench.parse_list("0,x", int, "--seeds")
     with pytest.raises(ValueError, match="METHOD=V1,V2"):
         bench.parse_noise(["flow_grpo"])
+    with pytest.raises(SystemExit, match="--schedule-from must be > 0"):
+        bench.main(["--methods", "flow_grpo", "--schedule-from", "0", "--out", "/nonexistent"])
 
 
 # ----------------------------------------------------------------------------- end to end
