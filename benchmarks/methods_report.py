@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from benchmarks.methods_registry import DEFAULT_OUT, METHODS, ROOT
-from benchmarks.methods_runs import milestones, write_json
+from benchmarks.methods_runs import milestones, schedule_origin, write_json
 from benchmarks.methods_stats import (gains_at_iteration, mean_of, median_seconds,
                                       seconds_to_target, t_interval)
 
@@ -451,8 +451,9 @@ def format_ranking(summaries: list[dict]) -> str:
 
 
 def reproduce_command(records: list[dict], out: Path) -> str:
-    """The table's own command, read from its runs (seeds, budget, evaluation interval, extra
-    overrides, methods): rerunning it skips every finished run and rewrites the report."""
+    """The table's own command, read from its runs (seeds, budget, evaluation interval, a
+    stretched schedule's --schedule-from, extra overrides, methods): rerunning it skips every
+    finished run and rewrites the report."""
     seeds = sorted({r["seed"] for r in records})
     signature = records[0]["signature"]
     names = {r["method"] for r in records}
@@ -460,7 +461,10 @@ def reproduce_command(records: list[dict], out: Path) -> str:
     parts = ["python benchmarks/methods.py", f"--seeds {','.join(map(str, seeds))}",
              f"--budget {signature['budget']:g}", f"--eval-interval {signature['eval_interval']:g}",
              f"--methods {','.join(methods)}"]
-    overrides = {tuple(r["signature"].get("overrides", ())) for r in records}
+    stretched_from, own_overrides = schedule_origin(records, out)
+    if stretched_from is not None:
+        parts.append(f"--schedule-from {stretched_from:g}")
+    overrides = set(own_overrides)
     if len(overrides) == 1:
         parts += [f"--set {item}" for item in next(iter(overrides))]
     else:   # no one command reproduces these runs: say so rather than drop the overrides

@@ -234,8 +234,43 @@ def scaled_schedule(spec: RunSpec, factor: float, out: Path) -> RunSpec:
         interval = config.sampling.plan.shift_interval
         scaled = max(1, round(interval * factor))
         if scaled != interval:
-            overrides += (f"sampling.plan.shift_interval={scaled}",)
+            overrides += (f"{SHIFT_INTERVAL}={scaled}",)
     return replace(spec, overrides=overrides, max_iterations=total)
+
+
+SHIFT_INTERVAL = "sampling.plan.shift_interval"
+
+
+def schedule_origin(records: list[dict], out: Path) -> tuple[float | None, list[tuple[str, ...]]]:
+    """The SECONDS of the ``--schedule-from`` that stretched these finished runs' schedules
+    (None when none did: every run kept its config's cap), and each run's overrides without the
+    ones the stretch added, for a report to print the command that reproduces them. Found by
+    redoing the stretch: a candidate is kept only if ``scaled_schedule`` reproduces every run's
+    cap and overrides exactly (records from before the signature named its cap give None)."""
+    plain = [tuple(r["signature"].get("overrides", ())) for r in records]
+    try:
+        specs = [RunSpec.of_record(r) for r in records]
+    except KeyError:
+        return None, plain
+    if not specs or any(spec.method not in METHODS or spec.max_iterations is None
+                        for spec in specs):     # None: the run kept its config's cap
+        return None, plain
+    unscaled = [replace(spec, max_iterations=None, overrides=tuple(
+        o for o in spec.overrides if not o.startswith(f"{SHIFT_INTERVAL}="))) for spec in specs]
+    caps = [spec.load(out).run.max_iterations for spec in unscaled]
+    if all(cap == spec.max_iterations for cap, spec in zip(caps, specs)):
+        return None, plain
+    candidates = []
+    for cap, spec in zip(caps, specs):     # a calibrated budget is a round number of seconds
+        exact = spec.budget * cap / spec.max_iterations
+        candidates += [c for c in (round(exact, -1), round(exact)) if c > 0 and c not in candidates]
+    for seconds in candidates:
+        if all((stretched.overrides, stretched.max_iterations)
+               == (tuple(spec.overrides), spec.max_iterations)
+               for spec, stretched in ((spec, scaled_schedule(base, base.budget / seconds, out))
+                                       for spec, base in zip(specs, unscaled))):
+            return float(seconds), [spec.overrides for spec in unscaled]
+    return None, plain
 
 
 def eval_signature(config) -> dict:

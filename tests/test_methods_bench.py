@@ -274,8 +274,8 @@ def test_mix_windows_sweep_the_share_of_the_range_the_anchors_sweep(bench):
 def test_a_longer_budget_stretches_each_schedule_over_it(bench, tmp_path):
     """--schedule-from: at 940 s against the configs' 600 every cap (the lr's decay) is 940/600
     of the config's, and MixGRPO's window moves that much more slowly, so over the stretched run
-    it visits the same positions as over the config's (up to the last); a factor of 1 changes nothing the run
-    records, and a method without a window gets no window override."""
+    it visits the same positions as over the config's (up to the last); a factor of 1 changes
+    nothing the run records, and a method without a window gets no window override."""
     factor = 940 / 600
     for name in ("mix_grpo", "mix_grpo_flash", "flow_grpo_guard", "default"):
         spec = bench.RunSpec(name, 0, f"{name}_s0", 940.0, 200.0, 0, (f"model.path={TOY}",))
@@ -301,6 +301,31 @@ def test_a_longer_budget_stretches_each_schedule_over_it(bench, tmp_path):
         # the same positions, up to the last one (both intervals are rounded): 8 against 7 of
         # 14 for MixGRPO, whose fit is 7.03 intervals at 600 s and 6.98 at 940 s
         assert len(stretched_positions ^ positions) <= 1, (name, positions, stretched_positions)
+
+
+def test_a_stretched_tables_command_names_its_schedule_from(bench, tmp_path):
+    """The report's command for runs made with --schedule-from 600 at 940 s names it (and not
+    the window override the stretch added), so rerunning it finds the same runs; runs at their
+    configs' caps, or at a cap no single --schedule-from gives, get no --schedule-from."""
+    def record(spec):
+        return {"method": spec.method, "seed": spec.seed, "key": spec.key,
+                "signature": spec.signature()}
+
+    specs = [bench.RunSpec(name, seed, f"{name}_s{seed}", 940.0, 200.0, 0, (f"model.path={TOY}",))
+             for name in ("default", "mix_grpo") for seed in (0, 1)]
+    stretched = [record(bench.scaled_schedule(spec, 940 / 600, tmp_path)) for spec in specs]
+    assert any("sampling.plan.shift_interval=49" in r["signature"]["overrides"]
+               for r in stretched)
+    command = bench.reproduce_command(stretched, tmp_path)
+    assert "--schedule-from 600 " in command
+    assert "shift_interval" not in command and "differ" not in command
+    assert f"--set model.path={TOY}" in command
+    plain = [record(spec) for spec in specs]
+    assert "--schedule-from" not in bench.reproduce_command(plain, tmp_path)
+    as_shipped = [record(bench.scaled_schedule(spec, 1.0, tmp_path)) for spec in specs]
+    assert "--schedule-from" not in bench.reproduce_command(as_shipped, tmp_path)
+    stretched[0]["signature"]["max_iterations"] += 7          # a cap set by hand
+    assert "--schedule-from" not in bench.reproduce_command(stretched, tmp_path)
 
 
 # ----------------------------------------------------------------------------- evaluation noise
