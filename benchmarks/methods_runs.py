@@ -218,6 +218,9 @@ class RunSpec:
                 "config": METHODS[self.method].config, "config_digest": digest.hexdigest()[:16]}
 
 
+SHIFT_INTERVAL = "sampling.plan.shift_interval"      # MixGRPO's window step, in iterations
+
+
 def scaled_schedule(spec: RunSpec, factor: float, out: Path) -> RunSpec:
     """``spec`` with its config's schedule stretched by ``factor``: run.max_iterations (over
     which the lr decays) times ``factor``, rounded, and for the MixGRPO windows the
@@ -236,9 +239,6 @@ def scaled_schedule(spec: RunSpec, factor: float, out: Path) -> RunSpec:
         if scaled != interval:
             overrides += (f"{SHIFT_INTERVAL}={scaled}",)
     return replace(spec, overrides=overrides, max_iterations=total)
-
-
-SHIFT_INTERVAL = "sampling.plan.shift_interval"
 
 
 def schedule_origin(records: list[dict], out: Path) -> tuple[float | None, list[tuple[str, ...]]]:
