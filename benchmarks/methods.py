@@ -57,7 +57,8 @@ if _CHECKOUT not in sys.path:   # the jobs below import as benchmarks.methods_* 
 # The benchmark by job; every name stays importable from here. METHODS and
 # FIELDS_ADDED_SINCE_RESULTS live in benchmarks/methods_registry.py.
 from benchmarks.methods_calibration import (calibrate, calibrated_values,  # noqa: E402,F401
-                                            set_yaml_scalar, write_config_values, yaml_number)
+                                            set_yaml_scalar, tuned_values, write_config_values,
+                                            yaml_number)
 from benchmarks.methods_registry import (DEFAULT_OUT, FIELDS_ADDED_SINCE_RESULTS,  # noqa: E402,F401
                                          METHODS, QUICK_BUDGET, QUICK_INTERVAL,
                                          QUICK_OVERRIDES, ROOT, TABLE_EVAL_SEED, TUNE_EVAL_SEED,
@@ -221,8 +222,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         if args.write_configs:
             for name, point in data["chosen"].items():
                 method = METHODS[name]
-                values = {"training.lr": yaml_number(point["lr"]),
-                          "sampling.noise_level": yaml_number(point["noise_level"])}
+                values = tuned_values(method, point["lr"], point["noise_level"])
                 if method.editable:
                     write_config_values(method, values)
                     print(f"wrote {values} into {method.config}")

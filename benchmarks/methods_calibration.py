@@ -144,6 +144,22 @@ def yaml_number(value: float) -> str:
     return f"{value:g}" if value != int(value) else f"{value:.1f}"
 
 
+def tuned_values(method: Method, lr: float, noise_level: float) -> dict[str, str]:
+    """The config values a tuning's chosen point sets: its lr, and its noise level only where
+    that changes what the config runs. The sample-based algorithms' configs roll out by the ODE
+    and leave ``sampling.noise_level`` at its default, so a tuning at that default writes no
+    noise line into them (there is none to edit)."""
+    import yaml
+
+    from flowgrpo.config import load_config
+
+    values = {"training.lr": yaml_number(lr)}
+    config = load_config(None, data=yaml.safe_load(method.path.read_text()))
+    if noise_level != config.sampling.noise_level:
+        values["sampling.noise_level"] = yaml_number(noise_level)
+    return values
+
+
 def write_config_values(method: Method, values: dict[str, str]) -> Path:
     """Set ``values`` (dotted key -> YAML text) in the method's config file and check that it
     still loads and holds them."""
