@@ -204,9 +204,19 @@ def test_the_clean_nft_config_is_the_measured_run(bench):
     assert shipped == measured
 
 
+# What the unguarded configs held when the guarded runs were measured (2026-12-03/04), before
+# the fair grid's calibration and tuning of 2026-12-07 rewrote their caps and two lrs.
+UNGUARDED_THEN = {"dgpo": ("run.max_iterations=148", "run.eval_every=29", "run.checkpoint_every=29"),
+                  "awm": ("training.lr=2.0e-4", "run.max_iterations=141", "run.eval_every=28",
+                          "run.checkpoint_every=28"),
+                  "nft": ("training.lr=8.0e-4", "run.max_iterations=150", "run.eval_every=30",
+                          "run.checkpoint_every=30"),
+                  "dpo": ("training.lr=1.0e-4", "run.eval_every=45", "run.checkpoint_every=45")}
+
+
 @pytest.mark.parametrize("name", sorted(GUARD_OVERRIDES))
 def test_guarded_configs_are_the_measured_runs(bench, name):
-    measured = to_dict(method_config(bench, name, *GUARD_OVERRIDES[name]))
+    measured = to_dict(method_config(bench, name, *UNGUARDED_THEN[name], *GUARD_OVERRIDES[name]))
     shipped = to_dict(method_config(bench, f"{name}_guarded"))
     assert {k: v for k, v in shipped.items() if k != "name"} == \
         {k: v for k, v in measured.items() if k != "name"}
@@ -864,6 +874,32 @@ def test_calibration_and_tuning_values_are_written_into_a_config(bench, tmp_path
         bench.set_yaml_scalar("sampling:\n  plan: {kind: branch}\n", "sampling.plan.kind", "x")
     with pytest.raises(ValueError, match="not edited"):
         bench.write_config_values(bench.METHODS["default"], {"training.lr": "1.0e-4"})
+
+
+def test_a_tuned_point_writes_its_noise_level_only_where_it_changes_the_config(bench, tmp_path):
+    # nft.yaml rolls out by the ODE and has no sampling.noise_level line: a tuning at the
+    # default noise writes its lr alone (it used to stop on the missing line, lr unwritten)
+    nft = tmp_path / "nft.yaml"
+    nft.write_text((ROOT / "configs" / "toy_methods" / "nft.yaml").read_text())
+    method = bench.Method("nft_copy", "NFT copy", str(nft), (0.7,))
+    default_noise = load_config(nft, [f"model.path={TOY}"]).sampling.noise_level
+    values = bench.tuned_values(method, 3.0e-4, default_noise)
+    assert values == {"training.lr": "3.0e-4"}
+    bench.write_config_values(method, values)
+    assert load_config(nft, [f"model.path={TOY}"]).training.lr == 3.0e-4
+    # a changed noise level is written, and where the config has no line for it the edit
+    # stops with the fix named rather than writing half the point
+    assert bench.tuned_values(method, 3.0e-4, 0.9) == {"training.lr": "3.0e-4",
+                                                      "sampling.noise_level": "0.9"}
+    with pytest.raises(ValueError, match="edit the file by hand"):
+        bench.write_config_values(method, bench.tuned_values(method, 1.0e-4, 0.9))
+    assert load_config(nft, [f"model.path={TOY}"]).training.lr == 3.0e-4
+    mix = tmp_path / "mix_grpo.yaml"
+    mix.write_text((ROOT / "configs" / "toy_methods" / "mix_grpo.yaml").read_text())
+    mix_method = bench.Method("mix_copy", "Mix copy", str(mix), (0.7, 1.0))
+    bench.write_config_values(mix_method, bench.tuned_values(mix_method, 1.5e-4, 1.0))
+    config = load_config(mix, [f"model.path={TOY}"])
+    assert (config.training.lr, config.sampling.noise_level) == (1.5e-4, 1.0)
 
 
 def test_bad_arguments_name_the_fix(bench):
