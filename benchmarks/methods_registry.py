@@ -120,7 +120,7 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("tree_grpo", "TreeGRPO / BranchGRPO (tree rollouts)",
            "configs/toy_methods/tree_grpo.yaml", (0.7, 1.0)),
     Method("nft", "DiffusionNFT", "configs/toy_methods/nft.yaml", (0.7,)),
-    # E2PO: nft.yaml with perturbed prompt embeddings in the rollout (uncalibrated, unmeasured)
+    # E2PO: nft.yaml (at its former lr, 8e-4) with perturbed prompt embeddings in the rollout
     Method("e2po", "E2PO (NFT + embedding-perturbed exploration)",
            "configs/toy_methods/e2po.yaml", (0.7,)),
     Method("awm", "AWM", "configs/toy_methods/awm.yaml", (0.7,)),
