@@ -131,7 +131,7 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            (0.7,)),
     Method("nft_guarded", "DiffusionNFT + the image guard",
            "configs/toy_methods/nft_guarded.yaml", (0.7,)),
-    # nft_guarded with beta 10, to the end of its 170-iteration schedule (measured at 880 s)
+    # nft_guarded (its lr then, 8e-4) with beta 10 to the end of its 170-iteration schedule (880 s)
     Method("nft_clean", "DiffusionNFT + the image guard, full schedule",
            "configs/toy_methods/nft_clean.yaml", (0.7,), calibrated=False),
     Method("dpo", "Diffusion-DPO (online)", "configs/toy_methods/dpo.yaml", (0.7,)),
