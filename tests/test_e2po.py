@@ -286,7 +286,7 @@ def test_toy_config_is_nft_plus_the_perturbation():
     perturbation = e2po["sampling"].pop("embedding_perturbation")
     assert perturbation["scale"] > 0 and perturbation["anchors"] >= 1
     nft["sampling"].pop("embedding_perturbation")
-    # run's cap and cadence: each config's own calibration (E2PO's iterations are cheaper).
+    # run's cap and cadence: each config's own calibration (the two cost differently an iteration).
     # training.lr is not popped: each took the fair grid's choice, and both chose 2e-4
     # (benchmarks/README.md#fair-1207 and #fair-1207-lit)
     for key in ("max_iterations", "eval_every", "checkpoint_every"):
