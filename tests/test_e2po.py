@@ -294,3 +294,18 @@ def test_toy_config_is_nft_plus_the_perturbation():
     assert {k: v for k, v in e2po.items() if k != "name"} == \
         {k: v for k, v in nft.items() if k != "name"}
     assert e2po["name"] == "toy_e2po"
+
+
+def test_gpu_recipe_is_diffusion_nfts_sd3_recipe_plus_the_toys_perturbation():
+    """configs/sd3_e2po_pickscore.yaml is configs/sd3_nft_pickscore.yaml field for field (the
+    DiffusionNFT anchor E2PO builds on) with the toy config's perturbation, so a change to either
+    recipe or to the toy's perturbation that the other does not follow fails here."""
+    nft = dataclasses.asdict(load_config("configs/sd3_nft_pickscore.yaml"))
+    e2po = dataclasses.asdict(load_config("configs/sd3_e2po_pickscore.yaml"))
+    toy = dataclasses.asdict(load_config("configs/toy_methods/e2po.yaml"))
+    assert e2po["sampling"].pop("embedding_perturbation") == \
+        toy["sampling"]["embedding_perturbation"]
+    assert not nft["sampling"].pop("embedding_perturbation")["scale"]
+    assert {k: v for k, v in e2po.items() if k != "name"} == \
+        {k: v for k, v in nft.items() if k != "name"}
+    assert e2po["name"] == "sd3_e2po_pickscore"

@@ -47,6 +47,7 @@ SHIPPED = {
 SAMPLE_SHIPPED = {
     "sd3_nft_pickscore": (1, 8),  # DiffusionNFT sd3_pickscore: n_gpus 8, gradient_step_per_epoch 1
     "sd3_dgpo_pickscore": (1, 4),  # Flow-Factory's DGPO SD3.5 example: 4 ranks, one step an epoch
+    "sd3_e2po_pickscore": (1, 8),  # E2PO: DiffusionNFT's sd3_pickscore with the perturbation
 }
 # The anchors' accumulation in replay batches (our unit: rows of one step) at their process count:
 # Flow-GRPO accumulates num_batches_per_epoch // 2 sample batches x the trained timesteps.
@@ -79,6 +80,7 @@ ANCHOR_ACCUMULATION = {"sd3_ocr": 2 * 9, "sd3_pickscore": 2 * 9, "sd3_fast_cps":
                        "flux_pref_grpo": 24 // 2,
                        # DiffusionNFT: 16 sample batches x 9 timesteps a step
                        "sd3_nft_pickscore": 16 * 9,
+                       "sd3_e2po_pickscore": 16 * 9,   # E2PO: DiffusionNFT's layout
                        # DGPO: 12 micro-batches of half a group x 4 levels there; whole groups
                        # (the preference is a group's) here: 6 groups x 4 levels
                        "sd3_dgpo_pickscore": 6 * 4}
@@ -98,6 +100,7 @@ METHOD_FIELDS = [
     "sampling.num_steps", "sampling.kind", "sampling.noise_level", "sampling.log_prob",
     "sampling.sigma_schedule", "sampling.sigma_shift", "sampling.sigma_schedule_start",
     "sampling.guidance_scale", "sampling.share_initial_noise", "sampling.plan",
+    "sampling.embedding_perturbation",
     "training.lr", "training.clip_low", "training.clip_high", "training.kl_beta",
     "training.kl_convention", "training.kl_reward", "training.adv_scale", "training.adv_ddof",
     "training.adv_eps", "training.adv_clip", "training.num_inner_epochs",
