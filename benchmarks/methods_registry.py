@@ -139,6 +139,13 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            "configs/toy_methods/dpo_guarded.yaml", (0.7,)),
     Method("euphonium", "Euphonium (reward-guided rollouts)", "configs/toy_methods/euphonium.yaml",
            (0.7, 0.4)),
+    # VGPO's advantages on the default's plan and update, on the default's schedule (as
+    # Pref-GRPO): vgpo.yaml above trains every step of Flow-GRPO's rollouts
+    Method("vgpo_branch", "VGPO on the default (4-step branch)",
+           "configs/toy_methods/vgpo_branch.yaml", (0.7, 1.0), calibrated=False),
+    # TempFlow-GRPO branching only at the steps where most of the base's groups carry a signal
+    Method("tempflow_grpo_early", "TempFlow-GRPO, branching at steps 0-8",
+           "configs/toy_methods/tempflow_grpo_early.yaml", (0.7, 1.0)),
     Method("gdro", "GDRO", "configs/toy_methods/gdro.yaml", (0.7,)),
 )}
 

@@ -38,7 +38,7 @@ def method_config(bench, name, *overrides):
 #            or "stochastic" (the stochastic steps)
 #   moves: "group" (drawn per group), "iteration" (the same for every group, moving with the
 #          iteration), "fixed"
-#   first_half: stochastic steps lie in [0, 8)
+#   first_half: stochastic steps lie in [0, 8); below: they lie in [0, below), each visited
 IS = {
     "flow_grpo": dict(kind="flow_sde", stochastic="all", trained="all", moves="fixed",
                       solver="euler", shared=False),
@@ -65,6 +65,10 @@ IS = {
     # TempFlow-GRPO: one branch step a group, cycling over the schedule; noise-aware weights
     "tempflow_grpo": dict(kind="flow_sde", stochastic=1, trained="stochastic", moves="group",
                           solver="euler", shared=True, loss_scale="noise_aware"),
+    # the same, branching only at steps 0-8 (the steps where the base's groups carry a signal)
+    "tempflow_grpo_early": dict(kind="flow_sde", stochastic=1, trained="stochastic",
+                                moves="group", solver="euler", shared=True,
+                                loss_scale="noise_aware", below=9),
     # TreeGRPO / BranchGRPO: a tree a group, binary splits at each of the window's 3 SDE steps
     "tree_grpo": dict(kind="flow_sde", stochastic=3, trained="stochastic", moves="fixed",
                       solver="euler", shared=True, first_half=True),
@@ -75,6 +79,9 @@ IS = {
                       solver="euler", shared=False, reward_guidance="toy_proxy"),
     "default": dict(kind="flow_sde", stochastic=4, trained="stochastic", moves="group",
                     solver="euler", shared=False, first_half=True),
+    # VGPO's advantages on the default's rollouts and update
+    "vgpo_branch": dict(kind="flow_sde", stochastic=4, trained="stochastic", moves="group",
+                        solver="euler", shared=False, first_half=True, advantage="vgpo"),
     # Pref-GRPO: the default's rollouts; only the reward differs (the group win rate)
     "pref_grpo": dict(kind="flow_sde", stochastic=4, trained="stochastic", moves="group",
                       solver="euler", shared=False, first_half=True),
@@ -141,9 +148,13 @@ def test_each_config_is_its_method(bench, name):
             assert trained == stochastic
         if spec.get("first_half"):
             assert stochastic[-1] < 8
+        if "below" in spec:
+            assert stochastic[-1] < spec["below"]
         assert plan.solver_after == spec["solver"]
         assert (plan.num_steps < 16) == spec.get("compressed", False)
     starts = {plan.stochastic[0] for plan in plans.values()}
+    if "below" in spec:     # every step below the bound is visited
+        assert starts == set(range(spec["below"]))
     if spec["moves"] == "fixed":
         assert len(starts) == 1
     elif spec["moves"] == "group":
@@ -261,7 +272,9 @@ def test_every_method_takes_the_toy_world_base_batch_and_evaluation(bench, name)
             {k: v for k, v in default.items() if k != "name"}
 
 
-@pytest.mark.parametrize("name", sorted(set(IS) - {"default", "default_cgpo", "pref_grpo"}))
+# the default's variants keep its gradient accumulation (tests/test_vgpo.py for vgpo_branch)
+@pytest.mark.parametrize("name", sorted(set(IS) - {"default", "default_cgpo", "pref_grpo",
+                                                    "vgpo_branch"}))
 def test_methods_take_two_optimiser_steps_per_iteration(bench, name):
     config = method_config(bench, name)
     batches = replay_batches_per_process(config, 1)

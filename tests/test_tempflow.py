@@ -226,3 +226,21 @@ def test_tiny_sd3_iteration_is_on_policy_on_its_first_pass(tiny_sd3_path, tmp_pa
                          "sampling.plan={kind: one_step, one_step_range: [0, 4], "
                          "one_step_select: cycle}")
     assert_on_policy_training(config, 8)
+
+
+def test_early_config_is_tempflow_branching_only_at_steps_0_to_8():
+    """tempflow_grpo_early.yaml is tempflow_grpo.yaml but for its name, its branch range and the
+    iteration cap (and evaluation interval) calibrated for it."""
+    from dataclasses import asdict
+
+    early = asdict(load_config(ROOT / "configs" / "toy_methods" / "tempflow_grpo_early.yaml",
+                               [f"model.path={TOY}"]))
+    full = asdict(load_config(CONFIG, [f"model.path={TOY}"]))
+    assert full["sampling"]["plan"]["one_step_range"] == (0, 15)
+    assert early["sampling"]["plan"]["one_step_range"] == (0, 9)
+    for config in (early, full):
+        config.pop("name")
+        config["sampling"]["plan"].pop("one_step_range")
+        for key in ("max_iterations", "eval_every", "checkpoint_every"):
+            config["run"].pop(key)
+    assert early == full

@@ -281,3 +281,60 @@ def test_tiny_sd3_iteration_is_on_policy_on_its_first_pass(tiny_sd3_path, tmp_pa
     assert train[0]["trained_transitions"] == samples * 3
     assert train[0]["cost/step_value_images"] == samples * 2
     assert math.isfinite(train[0]["train/policy_loss"])
+
+
+# ----------------------------------------------------------------------------- on the default
+
+BRANCH_CONFIG = ROOT / "configs" / "toy_methods" / "vgpo_branch.yaml"
+
+
+def test_branch_config_is_the_default_with_vgpo_advantages():
+    """vgpo_branch.yaml is configs/toy_geneval.yaml field for field but for its name, the
+    advantage estimator, whose settings are vgpo.yaml's, and the lr its fair grid chose."""
+    from dataclasses import asdict
+
+    default = asdict(load_config(ROOT / "configs" / "toy_geneval.yaml", [f"model.path={TOY}"]))
+    branch = asdict(load_config(BRANCH_CONFIG, [f"model.path={TOY}"]))
+    paper = load_config(CONFIG, [f"model.path={TOY}"])
+    assert branch["training"]["advantage"] == "vgpo"
+    assert branch["training"]["vgpo"] == asdict(paper.training.vgpo)
+    assert (branch["training"]["lr"], default["training"]["lr"]) == (4e-4, 2e-4)
+    for config in (default, branch):
+        config.pop("name")
+        for key in ("advantage", "vgpo", "lr"):
+            config["training"].pop(key)
+    assert branch == default
+
+
+@needs_toy
+def test_branch_plan_scores_the_window_states_after_the_first_and_trains_only_the_window(
+        tmp_path):
+    """On the default's plan a row trains the 4 steps of its window (start drawn from 0-3):
+    three of its states are scored (the first trained one is not), its advantages are zero
+    outside the window, and each trained column gets the cell-normalised Q."""
+    from flowgrpo.trainer import Trainer
+
+    config = load_config(BRANCH_CONFIG, [
+        f"model.path={TOY}", f"run.output_dir={tmp_path}", "run.tracker=none",
+        "run.progress=false", "run.num_threads=0", "run.comparison_grid=false",
+        "run.eval_every=0", "run.checkpoint_every=0", "prompts.eval=null", "eval.rewards=[]",
+        "training.prompts_per_iteration=2", "training.group_size=4",
+        "sampling.rollout_batch_size=8", "training.gradient_accumulation_steps=1",
+        "run.max_iterations=1"])
+    trainer = Trainer(config)
+    batch, rewards, timing = trainer.rollout_and_score(0)
+    trained = batch.trained_steps.bool()
+    assert trained.shape == (8, 16)
+    for row in trained:
+        steps = row.nonzero().flatten().tolist()
+        assert len(steps) == 4 and steps == list(range(steps[0], steps[0] + 4))
+        assert steps[0] <= 3
+    assert timing["cost/step_value_images"] == 8 * 3
+    scored = ~torch.isnan(batch.step_values)
+    first = trained.float().argmax(dim=1)
+    for i in range(8):
+        expected = trained[i].clone()
+        expected[first[i]] = False
+        assert torch.equal(scored[i], expected)
+    advantages, _ = trainer.compute_advantages(batch, rewards)
+    assert bool((advantages[~trained] == 0).all())
