@@ -37,6 +37,10 @@ def test_groups_are_keyed_by_their_step_and_silent_groups_counted():
     assert [g["no_signal"] for g in found[3]] == [1.0, 0.0]
     assert found[3][1]["within_std"] == pytest.approx(0.5)
     assert found[7][0]["within_std"] == pytest.approx((0.25 * 0.75) ** 0.5)   # p = 3/4: sqrt(p(1-p))
+    # a group whose rows train different steps (per-sample subsets) is keyed by the smallest;
+    # an untrained row (-1) does not count, a group none of whose rows trains is keyed -1
+    mixed = steps_by_group([1.0, 0.0, 1.0, 0.0, 0.0], [0, 0, 0, 1, 1], [5, 2, -1, -1, -1])
+    assert sorted(mixed) == [-1, 2]
 
 
 SMALL = ["model.path=" + str(TOY), "training.prompts_per_iteration=2", "training.group_size=4",
